@@ -1,0 +1,46 @@
+"""The run's event log and step history, shared by the Controller's threads.
+
+Events are plain dicts ``{"type", "step", "time_s", ...}`` (time since the run started), so they
+go into result.json as they are and the CLI shows them live.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class RunLog:
+    def __init__(self) -> None:
+        self.started = time.time()
+        self._lock = threading.Lock()
+        self._events: list[dict[str, Any]] = []
+        self._history: dict[int, dict[str, Any]] = {}
+        self._history_order: list[int] = []
+
+    def event(self, type_: str, step: int, **fields: Any) -> dict[str, Any]:
+        record = {"type": type_, "step": step, "time_s": round(time.time() - self.started, 4), **fields}
+        with self._lock:
+            self._events.append(record)
+        return record
+
+    def add_step(self, step: int, finished_at: float, **fields: Any) -> None:
+        """Record step ``step``'s metrics; a step redone after a failure replaces its first record."""
+        with self._lock:
+            if step not in self._history:
+                self._history_order.append(step)
+            self._history[step] = {"step": step, "time_s": round(finished_at - self.started, 4), **fields}
+
+    def events(self, since: int = 0) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._events[since:])
+
+    def history(self, since: int = 0) -> list[dict[str, Any]]:
+        """Step records in the order steps were first committed, from position ``since`` on."""
+        with self._lock:
+            return [self._history[s] for s in self._history_order[since:]]
+
+    def count(self, type_: str) -> int:
+        with self._lock:
+            return sum(1 for e in self._events if e["type"] == type_)

@@ -1,0 +1,84 @@
+"""One training step, the same math at every world size.
+
+Each rank runs forward/backward over its slice of the global batch in micro-batches (only the
+last one communicates), with each micro-batch's summed loss scaled by world_size / B, because
+DDP averages gradients over ranks: the result is the gradient of the mean loss over the global
+batch. The step ends with one tiny all-reduce of [loss_sum, samples, stop_votes] that is both
+the metrics reduction and the control channel: a nonzero stop vote from any rank makes every
+rank stop after this step, at the same step boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from actors.data_order import GlobalSampleOrder, micro_batches
+from strategies.ddp import DDPStrategy
+from workloads.protocol import Workload
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    """The step's number, 1-based: after it, ``step`` optimizer steps are committed."""
+    loss: float
+    """Mean loss over the global batch."""
+    samples: int
+    duration_s: float
+    stop_requested: bool
+    finished_at: float
+    """Wall-clock time (time.time()) when the step was committed."""
+
+
+def gather_batch(dataset: Dataset, indices: torch.Tensor, device: torch.device) -> tuple:
+    """The (inputs, targets) of ``indices``: one gather for a TensorDataset, else default_collate."""
+    if isinstance(dataset, TensorDataset):
+        inputs, targets = (t[indices] for t in dataset.tensors)
+    else:
+        inputs, targets = default_collate([dataset[i] for i in indices.tolist()])
+    return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+
+@dataclass
+class StepRunner:
+    """Runs step k of the global sample order on the current group."""
+
+    workload: Workload
+    dataset: Dataset
+    order: GlobalSampleOrder
+    strategy: DDPStrategy
+    optimizer: torch.optim.Optimizer
+    micro_batch_size: int | None
+    device: torch.device
+
+    def run(self, wrapped: torch.nn.Module, step_index: int, *, stop_vote: bool) -> StepResult:
+        """Train on step ``step_index`` (0-based) and commit it; collectives fail if a peer is lost."""
+        started = time.perf_counter()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        indices = self.order.rank_indices(step_index, rank, world_size)
+        scale = world_size / self.order.global_batch_size
+        chunks = micro_batches(indices, self.micro_batch_size)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        self.optimizer.zero_grad(set_to_none=True)
+        for position, chunk in enumerate(chunks):
+            inputs, targets = gather_batch(self.dataset, chunk, self.device)
+            last = position == len(chunks) - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync(wrapped):
+                loss = self.workload.loss_sum(wrapped(inputs), targets)
+                (loss * scale).backward()
+            loss_sum += loss.detach().double().cpu()  # a device sync point, once per micro-batch
+        reduced = torch.stack([loss_sum, torch.tensor(float(len(indices)), dtype=torch.float64),
+                               torch.tensor(1.0 if stop_vote else 0.0, dtype=torch.float64)])
+        reduced = reduced.to(self.device)
+        dist.all_reduce(reduced)  # a peer lost during this step fails here or earlier: step discarded
+        self.optimizer.step()
+        loss_total, samples, stop_votes = reduced.tolist()
+        return StepResult(step=step_index + 1, loss=loss_total / samples, samples=int(samples),
+                          duration_s=time.perf_counter() - started, stop_requested=stop_votes > 0,
+                          finished_at=time.time())

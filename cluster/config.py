@@ -1,0 +1,204 @@
+"""The job's configuration: one frozen, keyword-only dataclass per concern, nested in JobConfig.
+
+Every field is checked in ``__post_init__``; a bad value raises ValueError naming the field
+(as ``section.field``) and what is allowed, before any actor starts. Names follow Ray
+Train's where the meaning is the same (``ScalingConfig.min_workers``, ``FailureConfig.max_failures``).
+
+Example::
+
+    job = JobConfig(training=TrainingConfig(steps=50, global_batch_size=128),
+                    scaling=ScalingConfig(min_workers=2, max_workers=2))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+STRATEGIES = ("ddp",)
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None:
+    if not condition:
+        raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadConfig:
+    name: str = "digits"
+    """A built-in workload ("digits", "chargpt") or a user's class as "pkg.module:ClassName"."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the workload's constructor (e.g. {"n_layer": 4} for chargpt)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and bool(self.name), "workload.name", "a non-empty string",
+                 self.name)
+        _require(isinstance(self.options, dict), "workload.options", "a mapping", self.options)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    steps: int = 300
+    """Optimizer steps to run; the run ends at this step whatever failures happen on the way."""
+    global_batch_size: int = 64
+    """Samples per step across all workers (B); fixed for the whole run, whatever the world size."""
+    micro_batch_size: int | None = None
+    """Largest slice one forward/backward handles; a rank's slice is accumulated in micro-batches of
+    this size. None: the whole slice at once."""
+    seed: int = 0
+    """Seeds the model's initialisation and the per-epoch sample permutation."""
+    eval_every: int = 0
+    """Evaluate held-out metrics every this many steps (0: only at the end)."""
+
+    def __post_init__(self) -> None:
+        _require(_positive_int(self.steps), "training.steps", "a positive integer", self.steps)
+        _require(_positive_int(self.global_batch_size), "training.global_batch_size", "a positive integer",
+                 self.global_batch_size)
+        _require(self.micro_batch_size is None or _positive_int(self.micro_batch_size),
+                 "training.micro_batch_size", "a positive integer or null", self.micro_batch_size)
+        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+                 "training.seed", "a non-negative integer", self.seed)
+        _require(isinstance(self.eval_every, int) and self.eval_every >= 0, "training.eval_every",
+                 "a non-negative integer", self.eval_every)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer: "adamw" (torch.optim.AdamW) or "sgd" (with momentum)."""
+    lr: float = 1e-3
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (adamw) or L2 penalty (sgd)."""
+    momentum: float = 0.9
+    """Momentum for sgd; ignored by adamw."""
+
+    def __post_init__(self) -> None:
+        _require(self.name in OPTIMIZERS, "optim.name", f"one of {', '.join(OPTIMIZERS)}", self.name)
+        _require(_number(self.lr) and 0 < self.lr <= 10, "optim.lr", "a number in (0, 10]", self.lr)
+        _require(_number(self.weight_decay) and self.weight_decay >= 0, "optim.weight_decay",
+                 "a non-negative number", self.weight_decay)
+        _require(_number(self.momentum) and 0 <= self.momentum < 1, "optim.momentum", "a number in [0, 1)",
+                 self.momentum)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig:
+    name: Literal["ddp"] = "ddp"
+    """How gradients and state move between workers."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB (DDP's first bucket is 1 MiB whatever this says)."""
+
+    def __post_init__(self) -> None:
+        _require(self.name in STRATEGIES, "strategy.name", f"one of {', '.join(STRATEGIES)}", self.name)
+        _require(_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "strategy.bucket_cap_mb",
+                 "a positive number of MiB", self.bucket_cap_mb)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingConfig:
+    min_workers: int = 2
+    """The run starts once this many workers are placed."""
+    max_workers: int = 2
+    """The run never uses more workers than this."""
+    use_gpu: bool = False
+    """One GPU per worker, NCCL between them; otherwise CPU workers on gloo."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved per worker (fractions allowed); torch uses max(1, floor) threads."""
+    placement_timeout_s: float = 120.0
+    """How long to wait for min_workers to be placed before failing the run."""
+
+    def __post_init__(self) -> None:
+        _require(_positive_int(self.min_workers), "scaling.min_workers", "a positive integer",
+                 self.min_workers)
+        _require(_positive_int(self.max_workers), "scaling.max_workers", "a positive integer",
+                 self.max_workers)
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"scaling.min_workers ({self.min_workers}) must be <= scaling.max_workers "
+                             f"({self.max_workers})")
+        _require(isinstance(self.use_gpu, bool), "scaling.use_gpu", "true or false", self.use_gpu)
+        _require(_number(self.cpus_per_worker) and self.cpus_per_worker > 0, "scaling.cpus_per_worker",
+                 "a positive number", self.cpus_per_worker)
+        _require(_number(self.placement_timeout_s) and self.placement_timeout_s > 0,
+                 "scaling.placement_timeout_s", "a positive number of seconds", self.placement_timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureConfig:
+    max_failures: int = 3
+    """Worker failures the run survives; one more ends it with an error (0: fail on the first)."""
+    collective_timeout_s: float = 30.0
+    """Timeout of collective operations, so a silent peer cannot block a group for long."""
+    step_timeout_s: float = 10.0
+    """A worker that does not answer the Controller for this long is taken as hung and replaced."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_failures, int) and self.max_failures >= 0, "failure.max_failures",
+                 "a non-negative integer", self.max_failures)
+        _require(_number(self.collective_timeout_s) and self.collective_timeout_s > 0,
+                 "failure.collective_timeout_s", "a positive number of seconds", self.collective_timeout_s)
+        _require(_number(self.step_timeout_s) and self.step_timeout_s > 0,
+                 "failure.step_timeout_s", "a positive number of seconds", self.step_timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    path: str | None = None
+    """Directory for checkpoints; None: <run dir>/checkpoints."""
+    every_steps: int = 0
+    """Save every this many steps (0: only at the end of the run)."""
+    num_to_keep: int = 2
+    """Complete checkpoints kept; older ones are removed after a newer one is complete."""
+    resume: Literal["auto", "never"] = "auto"
+    """"auto": continue from the newest complete checkpoint of this run if there is one."""
+
+    def __post_init__(self) -> None:
+        _require(self.path is None or (isinstance(self.path, str) and bool(self.path)), "checkpoint.path",
+                 "a directory path or null", self.path)
+        _require(isinstance(self.every_steps, int) and self.every_steps >= 0, "checkpoint.every_steps",
+                 "a non-negative integer", self.every_steps)
+        _require(_positive_int(self.num_to_keep), "checkpoint.num_to_keep", "a positive integer",
+                 self.num_to_keep)
+        _require(self.resume in ("auto", "never"), "checkpoint.resume", "one of auto, never", self.resume)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    name: str = "digits"
+    """The run's name: its default run directory is runs/<name>, its actors are named after it."""
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and self.name.replace("-", "").replace("_", "").isalnum(),
+                 "name", "letters, digits, '-' and '_'", self.name)
+        batch = self.training.global_batch_size
+        if batch < self.scaling.max_workers:
+            raise ValueError(f"training.global_batch_size ({batch}) cannot be split across "
+                             f"scaling.max_workers ({self.scaling.max_workers}): every worker needs at "
+                             "least one sample per step")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def math_hash(self) -> str:
+        """A hash of what decides the trained parameters; a checkpoint resumes only a run with the same."""
+        relevant = {"workload": asdict(self.workload), "optim": asdict(self.optim),
+                    "global_batch_size": self.training.global_batch_size, "seed": self.training.seed}
+        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,107 @@
+"""Run one job from the driver: start its Controller, follow its progress, write its results.
+
+Example::
+
+    from cluster import JobConfig, train
+    result = train(JobConfig(), run_dir="runs/digits")
+    print(result.final_step, result.metrics["accuracy"])
+
+Writes ``<run_dir>/result.json`` (status, final_step, metrics, history, events, config) and,
+on success, ``<run_dir>/model.pt``: a plain state dict, ``torch.load(path, weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from actors.controller import ControllerActor, RunFailed, RunResult, default_checkpoint_root
+from cluster.config import JobConfig
+from cluster.connect import ray_session
+from workloads import resolve_workload_class
+
+ProgressCallback = Callable[[dict[str, Any]], None]
+PROGRESS_INTERVAL_S = 0.25
+
+
+def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | None = None,
+          on_progress: ProgressCallback | None = None) -> RunResult:
+    """Train ``job`` to its last step; raises RunFailed (and still writes result.json) if it cannot."""
+    resolve_workload_class(job.workload.name)  # a bad import path fails here, before any actor starts
+    run_dir = Path(run_dir or Path("runs") / job.name).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_root = job.checkpoint.path or default_checkpoint_root(run_dir)
+    with ray_session(address, min_cpus=job.scaling.max_workers * job.scaling.cpus_per_worker):
+        controller = _start_controller(job, checkpoint_root)
+        try:
+            result = _follow(controller, on_progress or (lambda _: None))
+        except RunFailed as error:
+            _write_result(run_dir, job, status="failed", error=str(error),
+                          progress=ray.get(controller.progress.remote()))
+            raise
+        finally:
+            ray.kill(controller)
+    _write_result(run_dir, job, status="finished", result=result)
+    torch.save(result.model_state, run_dir / "model.pt")
+    return result
+
+
+def _start_controller(job: JobConfig, checkpoint_root: str) -> Any:
+    name = f"raylastic:{job.name}:controller"
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        pass
+    else:
+        raise RunFailed(f"a run named {job.name!r} is already running on this cluster (actor {name}); "
+                        "choose another name")
+    return ControllerActor.options(name=name).remote(job, checkpoint_root)
+
+
+def _follow(controller: Any, on_progress: ProgressCallback) -> RunResult:
+    """Poll the Controller's progress until its run ends; Ctrl-C stops it at a step boundary."""
+    done = controller.run.remote()
+    cursor = {"history_since": 0, "events_since": 0}
+    try:
+        while True:
+            finished, _ = ray.wait([done], timeout=PROGRESS_INTERVAL_S)
+            progress = ray.get(controller.progress.remote(**cursor))
+            cursor["history_since"] += len(progress["history"])
+            cursor["events_since"] += len(progress["events"])
+            on_progress(progress)
+            if finished:
+                return _unwrap(done)
+    except KeyboardInterrupt:
+        controller.stop.remote()
+        ray.wait([done], timeout=15)
+        raise RunFailed("interrupted (Ctrl-C); workers were shut down") from None
+
+
+def _unwrap(ref: Any) -> RunResult:
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as error:
+        if isinstance(error.cause, RunFailed):
+            raise RunFailed(str(error.cause)) from None
+        raise
+
+
+def _write_result(run_dir: Path, job: JobConfig, *, status: str, result: RunResult | None = None,
+                  error: str | None = None, progress: dict[str, Any] | None = None) -> None:
+    payload: dict[str, Any] = {"status": status, "name": job.name, "config": job.to_dict()}
+    if result is not None:
+        payload.update(final_step=result.final_step, metrics=result.metrics, checkpoint=result.checkpoint,
+                       history=result.history, events=result.events)
+    else:
+        payload.update(error=error, final_step=progress["step"], history=progress["history"],
+                       events=progress["events"])
+    temporary = run_dir / f"result.json.{os.getpid()}.{time.time_ns()}"
+    temporary.write_text(json.dumps(payload, indent=1, default=str))
+    os.replace(temporary, run_dir / "result.json")

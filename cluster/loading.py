@@ -1,0 +1,92 @@
+"""Load a JobConfig from a YAML file plus ``--set section.field=value`` overrides.
+
+Example::
+
+    job = load_job_config("job.yaml", ["training.steps=50", "optim.lr=3e-3"])
+
+Values in overrides are parsed as YAML scalars (``true``, ``12``, ``null``, ``[1, 2]``); a
+number written as ``3e-3`` is accepted for float fields (YAML 1.1 reads it as a string).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cluster.config import JobConfig
+
+
+def load_job_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Read ``path`` (optional), apply ``overrides`` and return the validated JobConfig."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise ValueError(f"--config {path}: cannot read it ({error.strerror})") from error
+        loaded = yaml.safe_load(text)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"--config {path}: expected a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded or {}
+    for override in overrides:
+        key, value = _parse_override(override)
+        _set_nested(raw, key.split("."), value)
+    return job_config_from_dict(raw)
+
+
+def job_config_from_dict(raw: dict[str, Any]) -> JobConfig:
+    """Build a JobConfig from plain nested dicts (as in YAML or ``JobConfig.to_dict()``)."""
+    return _build(JobConfig, raw, prefix="")
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set {override!r}: expected section.field=value, e.g. training.steps=100")
+    return key.strip(), yaml.safe_load(text) if text.strip() else None
+
+
+def _set_nested(raw: dict[str, Any], parts: list[str], value: Any) -> None:
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {'.'.join(parts)}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the job config"
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown key {prefix}{unknown[0]}; allowed in {where}: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value or {}, prefix=f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(hint, value)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any) -> Any:
+    """Accept what YAML gives for a number: ints for float fields, and '3e-3' strings."""
+    accepts_float = hint is float or float in typing.get_args(hint)
+    if accepts_float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if accepts_float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value

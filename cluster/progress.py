@@ -1,0 +1,56 @@
+"""Live progress of a run: a rich progress bar on a terminal, plain lines in logs and CI."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+EVENT_STYLES = {"worker_failed": "bold red", "recovered": "bold green", "generation_formed": "cyan",
+                "checkpointed": "dim", "resumed": "yellow", "finished": "bold"}
+
+
+class ProgressDisplay:
+    """Feed it the Controller's ``progress()`` dicts; it shows step, loss, samples/s, world size, events."""
+
+    def __init__(self, total_steps: int, *, console: Console | None = None, lines: int = 20) -> None:
+        self.console = console or Console(file=sys.stdout)
+        self.total_steps = total_steps
+        self.line_every = max(1, total_steps // lines)
+        self._progress: Progress | None = None
+        self._task = None
+        self._last_line_step = 0
+
+    def __enter__(self) -> ProgressDisplay:
+        if self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(), console=self.console, transient=False)
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.total_steps, stats="")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def update(self, progress: dict[str, Any]) -> None:
+        for event in progress["events"]:
+            self.console.print(format_event(event), style=EVENT_STYLES.get(event["type"]), highlight=False)
+        if not progress["history"]:
+            return
+        row = progress["history"][-1]
+        stats = (f"loss {row['loss']:.4f}  {row['samples_per_s']:.0f} samples/s  "
+                 f"world size {row['world_size']}")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=row["step"], stats=stats)
+        elif row["step"] - self._last_line_step >= self.line_every or row["step"] == self.total_steps:
+            self._last_line_step = row["step"]
+            self.console.print(f"step {row['step']}/{self.total_steps}  {stats}", highlight=False)
+
+
+def format_event(event: dict[str, Any]) -> str:
+    details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "step", "time_s"))
+    return f"[{event['time_s']:7.2f}s] step {event['step']}: {event['type']}" + (f" ({details})" if details else "")

@@ -1,0 +1,141 @@
+"""Built-in workloads (digits, chargpt) and the workload registry, single process, no Ray."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workloads import load_workload
+from workloads.chargpt import CharGPT
+from workloads.digits import Digits
+from workloads.protocol import Workload
+
+SMALL_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "corpus_chars": 50_000}
+
+
+def _adam_steps(workload, model, steps: int, *, batch_size: int, lr: float) -> list[float]:
+    """Plain single-process training on batches drawn with a seeded generator; returns the batch losses."""
+    x_all, y_all = workload.train_dataset().tensors
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(len(x_all), (batch_size,), generator=generator)
+        loss = workload.loss_sum(model(x_all[idx]), y_all[idx]) / batch_size
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_digits_dataset_shapes_and_dtypes():
+    workload = Digits()
+    x, y = workload.train_dataset().tensors
+    assert x.dtype == torch.float32 and y.dtype == torch.int64
+    assert x.shape == (len(y), 64) and len(y) == 1437  # 80% of 1,797
+    assert 0.0 <= x.min() and x.max() <= 1.0
+    assert set(y.tolist()) == set(range(10))
+    assert isinstance(workload, Workload)
+
+
+def test_digits_split_is_deterministic_and_ignores_torch_rng():
+    torch.manual_seed(1)
+    first = Digits().train_dataset().tensors
+    torch.manual_seed(2)
+    second = Digits().train_dataset().tensors
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    other_split = Digits(split_seed=1).train_dataset().tensors
+    assert not torch.equal(first[0], other_split[0])
+
+
+def test_digits_trains_to_high_accuracy():
+    workload = Digits()
+    torch.manual_seed(0)
+    model = workload.build_model()
+    before = workload.evaluate(model)
+    assert 0.0 <= before["accuracy"] <= 1.0
+    _adam_steps(workload, model, 150, batch_size=256, lr=1e-2)
+    after = workload.evaluate(model)
+    assert after["accuracy"] >= 0.90
+    assert after["eval_loss"] < before["eval_loss"]
+    assert model.training  # evaluate restores train mode
+
+
+def test_chargpt_corpus_is_identical_across_instances():
+    first, second = CharGPT(), CharGPT()
+    assert all(torch.equal(a, b) for a, b in zip(first.train_dataset().tensors, second.train_dataset().tensors))
+    assert torch.equal(first._eval_windows, second._eval_windows)
+
+
+def test_chargpt_shapes_and_initial_loss():
+    workload = CharGPT(**SMALL_GPT)
+    x, y = workload.train_dataset().tensors
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape and x.shape[1] == 32
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one byte
+    torch.manual_seed(0)
+    model = workload.build_model()
+    logits = model(x[:4])
+    assert logits.shape == (4, 32, 256)
+    mean_loss = workload.loss_sum(logits, y[:4]).item() / 4
+    assert abs(mean_loss - math.log(256)) < 0.5
+    metrics = workload.evaluate(model)
+    assert abs(metrics["eval_loss"] - math.log(256)) < 0.5
+    assert metrics["bits_per_byte"] == pytest.approx(metrics["eval_loss"] / math.log(2))
+
+
+def test_chargpt_adam_steps_decrease_loss():
+    workload = CharGPT(**SMALL_GPT)
+    torch.manual_seed(0)
+    model = workload.build_model()
+    before = workload.evaluate(model)["eval_loss"]
+    losses = _adam_steps(workload, model, 20, batch_size=16, lr=3e-3)
+    assert losses[-1] < losses[0] - 1.0
+    assert workload.evaluate(model)["eval_loss"] < before - 1.0
+    assert model.training
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 64, 64), (3, 4, 48, 16)])
+def test_chargpt_num_parameters_matches_model(shape):
+    n_layer, n_head, n_embd, block_size = shape
+    model = CharGPT(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
+                    corpus_chars=20_000).build_model()
+    assert CharGPT.num_parameters(*shape) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(("cls", "options", "option_name"), [
+    (Digits, {"hidden": 0}, "hidden"),
+    (Digits, {"hidden": 1.5}, "hidden"),
+    (Digits, {"test_fraction": 1.0}, "test_fraction"),
+    (Digits, {"split_seed": -1}, "split_seed"),
+    (CharGPT, {"n_layer": 0}, "n_layer"),
+    (CharGPT, {"n_head": True}, "n_head"),
+    (CharGPT, {"n_embd": 30, "n_head": 4}, "n_embd"),
+    (CharGPT, {"block_size": -4}, "block_size"),
+    (CharGPT, {"corpus_chars": 10**12}, "corpus_chars"),
+    (CharGPT, {"corpus_chars": 100}, "corpus_chars"),
+    (CharGPT, {"test_fraction": 0}, "test_fraction"),
+])
+def test_bad_options_raise_value_error_naming_the_option(cls, options, option_name):
+    with pytest.raises(ValueError, match=f"workload.options.{option_name}"):
+        cls(**options)
+
+
+def test_registry_loads_builtin_workloads():
+    workload = load_workload("digits", {"hidden": 16})
+    assert isinstance(workload, Digits) and workload.hidden == 16
+    assert isinstance(load_workload("workloads.chargpt:CharGPT", {"corpus_chars": 20_000}), CharGPT)
+
+
+@pytest.mark.parametrize(("name", "options", "message"), [
+    ("nope:Nope", None, "cannot import module 'nope'"),
+    ("nope", None, "is not a built-in name"),
+    ("workloads.digits:Nope", None, "has no class 'Nope'"),
+    ("digits", {"bogus": 1}, "are not accepted"),
+    ("digits", {"hidden": 0}, "workload.options.hidden"),
+])
+def test_registry_errors_are_value_errors(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        load_workload(name, options)

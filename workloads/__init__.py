@@ -1,0 +1,46 @@
+"""Built-in workloads and the loader for a user's own (see ``workloads.protocol``)."""
+
+from __future__ import annotations
+
+import importlib
+
+from workloads.protocol import Workload
+
+BUILTIN_WORKLOADS = {
+    "digits": "workloads.digits:Digits",
+    "chargpt": "workloads.chargpt:CharGPT",
+}
+
+
+def resolve_workload_class(name: str) -> type:
+    """Return the class named by a built-in short name or a ``"pkg.module:ClassName"`` path.
+
+    Raises ValueError naming what is allowed when the name does not resolve.
+    """
+    path = BUILTIN_WORKLOADS.get(name, name)
+    module_name, sep, class_name = path.partition(":")
+    allowed = f"a built-in name ({', '.join(sorted(BUILTIN_WORKLOADS))}) or 'pkg.module:ClassName'"
+    if not sep or not module_name or not class_name:
+        raise ValueError(f"workload.name={name!r} is not {allowed}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"workload.name={name!r}: cannot import module {module_name!r} ({error}); "
+                         f"expected {allowed}") from error
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"workload.name={name!r}: module {module_name!r} has no class {class_name!r}")
+    missing = [m for m in ("build_model", "train_dataset", "loss_sum", "evaluate") if not hasattr(cls, m)]
+    if missing:
+        raise ValueError(f"workload.name={name!r}: {class_name} lacks {', '.join(missing)} "
+                         "(see workloads/protocol.py)")
+    return cls
+
+
+def load_workload(name: str, options: dict | None = None) -> Workload:
+    """Construct the workload ``name`` with ``options`` as keyword arguments."""
+    cls = resolve_workload_class(name)
+    try:
+        return cls(**(options or {}))
+    except TypeError as error:
+        raise ValueError(f"workload.options for {name!r} are not accepted: {error}") from error

@@ -1,0 +1,186 @@
+"""A small byte-level GPT trained on the Python standard library's own source code.
+
+The corpus needs no download and no vocabulary file: it is the top-level ``.py`` files of
+``sysconfig.get_paths()["stdlib"]`` read in name order, encoded as UTF-8 bytes (vocabulary 256),
+so every machine running the same Python build holds the same data. Try it::
+
+    python -c "from workloads.chargpt import CharGPT; print(CharGPT.num_parameters(8, 8, 720, 64))"
+
+The model follows nanoGPT (https://github.com/karpathy/nanoGPT): token + position embeddings,
+pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, a final LayerNorm and an lm head
+tied to the token embedding; no dropout, so ``forward`` is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+VOCAB_SIZE = 256  # one token per byte
+EVAL_WINDOWS = 64  # held-out windows scored by ``evaluate``
+
+
+def load_stdlib_corpus(num_chars: int) -> bytes:
+    """The first ``num_chars`` characters of the stdlib's top-level ``.py`` files (sorted by name), as UTF-8."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    pieces, collected = [], 0
+    for name in sorted(os.listdir(stdlib)):
+        path = os.path.join(stdlib, name)
+        if not name.endswith(".py") or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:  # bytes, so no platform newline translation
+            text = f.read().decode("utf-8", errors="replace")
+        pieces.append(text[: num_chars - collected])
+        collected += len(pieces[-1])
+        if collected == num_chars:
+            return "".join(pieces).encode("utf-8")
+    raise ValueError(f"workload.options.corpus_chars={num_chars} exceeds the {collected} characters "
+                     f"of the top-level .py files in {stdlib}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, channels = x.shape
+        q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2)
+                   for t in self.qkv(x).split(channels, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, time, channels))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Byte-level GPT; ``forward(idx: int64[B, T])`` returns logits ``[B, T, 256]`` for T <= block_size."""
+
+    def __init__(self, *, n_layer: int, n_head: int, n_embd: int, block_size: int):
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(VOCAB_SIZE, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, VOCAB_SIZE, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+        self.apply(_init_weights)
+        for block in self.blocks:  # GPT-2's scaled init of the projections into the residual stream
+            for proj in (block.attn.proj, block.mlp[-1]):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        time = idx.shape[1]
+        if time > self.block_size:
+            raise ValueError(f"sequence length {time} exceeds block_size {self.block_size}")
+        x = self.wte(idx) + self.wpe(torch.arange(time, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+class CharGPT:
+    """Next-byte prediction on stdlib source with a small GPT (tied embedding / lm head, no dropout).
+
+    Options (``workload.options``):
+        n_layer, n_head, n_embd, block_size: model shape; ``n_embd`` must be divisible by ``n_head``.
+        corpus_chars: characters of stdlib source to use (the default is ~400 KB).
+        test_fraction: trailing share of the corpus held out for ``evaluate``, in (0, 1).
+
+    Training samples are non-overlapping windows of ``block_size + 1`` bytes from the leading
+    ``1 - test_fraction`` of the corpus; input is the first ``block_size`` bytes, target the last.
+    The defaults give 120,576 parameters. For a model big enough to shard (ZeRO benchmarks),
+    ``n_layer=8, n_head=8, n_embd=720, block_size=64`` gives exactly 50,073,120 parameters.
+
+    Example::
+
+        workload = CharGPT(n_layer=1, n_embd=32)
+        x, y = workload.train_dataset()[:4]
+        loss = workload.loss_sum(workload.build_model()(x), y) / 4  # ~ln(256) at init
+    """
+
+    def __init__(self, *, n_layer: int = 2, n_head: int = 2, n_embd: int = 64, block_size: int = 64,
+                 corpus_chars: int = 400_000, test_fraction: float = 0.1):
+        for option, value in [("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
+                              ("block_size", block_size), ("corpus_chars", corpus_chars)]:
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"workload.options.{option} must be a positive int, got {value!r}")
+        if n_embd % n_head:
+            raise ValueError(f"workload.options.n_embd={n_embd} must be divisible by n_head={n_head}")
+        if not (isinstance(test_fraction, (int, float)) and not isinstance(test_fraction, bool)
+                and 0.0 < test_fraction < 1.0):
+            raise ValueError(f"workload.options.test_fraction must be a float in (0, 1), got {test_fraction!r}")
+        self.n_layer, self.n_head, self.n_embd, self.block_size = n_layer, n_head, n_embd, block_size
+
+        corpus = torch.frombuffer(bytearray(load_stdlib_corpus(corpus_chars)), dtype=torch.uint8)
+        split = int(len(corpus) * (1.0 - test_fraction))
+        train_windows = _windows(corpus[:split], block_size + 1)
+        self._inputs, self._targets = train_windows[:, :-1].contiguous(), train_windows[:, 1:].contiguous()
+        self._eval_windows = _windows(corpus[split:], block_size + 1)[:EVAL_WINDOWS]
+        if len(train_windows) == 0 or len(self._eval_windows) == 0:
+            raise ValueError(f"workload.options.corpus_chars={corpus_chars} with test_fraction={test_fraction} "
+                             f"leaves no {block_size + 1}-byte window for training or evaluation")
+
+    @staticmethod
+    def num_parameters(n_layer: int, n_head: int, n_embd: int, block_size: int) -> int:
+        """Parameter count of ``build_model()`` for this shape (``n_head`` does not change it)."""
+        per_block = 12 * n_embd * n_embd + 13 * n_embd  # qkv, proj, 4x MLP with biases, two LayerNorms
+        return (VOCAB_SIZE + block_size) * n_embd + n_layer * per_block + 2 * n_embd  # + final LayerNorm
+
+    def build_model(self) -> torch.nn.Module:
+        """A fresh GPT, initialised (normal, std 0.02) from the process's torch seed."""
+        return GPT(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size)
+
+    def train_dataset(self) -> TensorDataset:
+        """Inputs and next-byte targets, both ``int64[N, block_size]``."""
+        return TensorDataset(self._inputs, self._targets)
+
+    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-sample mean token cross-entropy, summed over the samples of the batch."""
+        return F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten(), reduction="sum") / targets.shape[1]
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Mean per-token ``eval_loss`` on up to 64 held-out windows, and ``bits_per_byte``."""
+        windows = self._eval_windows.to(next(model.parameters()).device)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                logits = model(windows[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten()).item()
+        finally:
+            model.train(was_training)
+        return {"eval_loss": loss, "bits_per_byte": loss / math.log(2)}
+
+
+def _windows(data: torch.Tensor, length: int) -> torch.Tensor:
+    """``data`` cut into consecutive non-overlapping rows of ``length``, as int64; the tail is dropped."""
+    rows = len(data) // length
+    return data[: rows * length].view(rows, length).long()

@@ -1,0 +1,100 @@
+"""scikit-learn's 8x8 handwritten digits with a small MLP: the quick, always-available workload.
+
+The data ships inside scikit-learn (no download): 1,797 images of 64 pixels, 10 classes.
+A default run trains in seconds on CPU and reaches over 95% held-out accuracy. Try it::
+
+    python -c "from workloads import load_workload; print(load_workload('digits').train_dataset()[:2])"
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch.utils.data import TensorDataset
+
+NUM_FEATURES = 64
+NUM_CLASSES = 10
+
+
+class Digits:
+    """Classify 8x8 digit images with a two-hidden-layer ReLU MLP (64 -> hidden -> hidden -> 10).
+
+    Options (``workload.options``):
+        hidden: width of both hidden layers.
+        test_fraction: share of the 1,797 images held out for ``evaluate``, in (0, 1).
+        split_seed: seed of the stratified train/test split; the split never depends on torch's RNG,
+            so every worker holds the same data.
+
+    Example::
+
+        workload = Digits(hidden=64)
+        model = workload.build_model()
+        x, y = workload.train_dataset()[:32]
+        workload.loss_sum(model(x), y).backward()
+    """
+
+    def __init__(self, *, hidden: int = 128, test_fraction: float = 0.2, split_seed: int = 0):
+        _require(_is_int(hidden) and hidden > 0, "hidden", "a positive int", hidden)
+        _require(_is_fraction(test_fraction), "test_fraction", "a float in (0, 1)", test_fraction)
+        _require(_is_int(split_seed) and split_seed >= 0, "split_seed", "a non-negative int", split_seed)
+        self.hidden = hidden
+        self.test_fraction = float(test_fraction)
+        self.split_seed = split_seed
+
+        data = load_digits()
+        features = (data.data / 16.0).astype(np.float32)  # pixel intensities are 0..16
+        labels = data.target.astype(np.int64)
+        x_train, x_test, y_train, y_test = train_test_split(
+            features, labels, test_size=self.test_fraction, random_state=split_seed, stratify=labels
+        )
+        self._x_train, self._y_train = torch.from_numpy(x_train), torch.from_numpy(y_train)
+        self._x_test, self._y_test = torch.from_numpy(x_test), torch.from_numpy(y_test)
+
+    def build_model(self) -> torch.nn.Module:
+        """A fresh MLP, initialised from the process's torch seed."""
+        return torch.nn.Sequential(
+            torch.nn.Linear(NUM_FEATURES, self.hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(self.hidden, self.hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(self.hidden, NUM_CLASSES),
+        )
+
+    def train_dataset(self) -> TensorDataset:
+        """Training images ``float32[N, 64]`` in [0, 1] and labels ``int64[N]``."""
+        return TensorDataset(self._x_train, self._y_train)
+
+    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy summed over the batch."""
+        return F.cross_entropy(outputs, targets, reduction="sum")
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Held-out ``accuracy`` and mean cross-entropy ``eval_loss``; leaves the model's mode as it was."""
+        device = next(model.parameters()).device
+        x, y = self._x_test.to(device), self._y_test.to(device)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                logits = model(x)
+                loss = F.cross_entropy(logits, y).item()
+                accuracy = (logits.argmax(dim=1) == y).float().mean().item()
+        finally:
+            model.train(was_training)
+        return {"accuracy": accuracy, "eval_loss": loss}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_fraction(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value < 1.0
+
+
+def _require(ok: bool, option: str, expected: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"workload.options.{option} must be {expected}, got {value!r}")
