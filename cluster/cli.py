@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     try:
         job = load_job_config(args.config, args.overrides)
     except ValueError as error:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(job, args: argparse.Namespace, console: Console) -> int:
-    out = Console()
+    out = Console(soft_wrap=True)
     out.print(f"raylastic: training {job.workload.name} for {job.training.steps} steps on "
               f"{job.scaling.min_workers}-{job.scaling.max_workers} workers (run {job.name})", highlight=False)
     try:

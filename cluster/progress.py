@@ -16,7 +16,7 @@ class ProgressDisplay:
     """Feed it the Controller's ``progress()`` dicts; it shows step, loss, samples/s, world size, events."""
 
     def __init__(self, total_steps: int, *, console: Console | None = None, lines: int = 20) -> None:
-        self.console = console or Console(file=sys.stdout)
+        self.console = console or Console(file=sys.stdout, soft_wrap=True)
         self.total_steps = total_steps
         self.line_every = max(1, total_steps // lines)
         self._progress: Progress | None = None

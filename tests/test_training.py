@@ -1,0 +1,61 @@
+"""Core training on a real local Ray with gloo: world-size independence, buckets, user workloads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.job import train
+from tests.helpers import assert_states_close, job, load_model
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def run(tmp_path, name, *overrides):
+    run_dir = tmp_path / name
+    result = train(job(*overrides, name=name), run_dir=run_dir)
+    return result, run_dir
+
+
+def test_same_parameters_at_world_size_1_2_3(tmp_path):
+    states = {}
+    for workers in (1, 2, 3):
+        result, run_dir = run(tmp_path, f"ws{workers}", f"scaling.min_workers={workers}",
+                              f"scaling.max_workers={workers}", "training.micro_batch_size=7")
+        assert result.final_step == 20
+        assert {row["world_size"] for row in result.history} == {workers}
+        states[workers] = load_model(run_dir)
+    assert_states_close(states[1], states[2])
+    assert_states_close(states[1], states[3])
+
+
+def test_bucket_size_does_not_change_the_result(tmp_path):
+    _, small = run(tmp_path, "b1", "strategy.bucket_cap_mb=0.01")
+    _, large = run(tmp_path, "b2", "strategy.bucket_cap_mb=100")
+    assert_states_close(load_model(small), load_model(large))
+
+
+def test_user_workload_from_outside_the_package_trains(tmp_path):
+    result, run_dir = run(tmp_path, "user", "workload.name=tests.user_workload:Parity", "training.steps=60",
+                          "optim.lr=0.01")
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
+    assert result.metrics["accuracy"] > 0.8
+    saved = json.loads((run_dir / "result.json").read_text())
+    assert saved["status"] == "finished" and saved["final_step"] == 60
+
+
+def test_result_json_and_plain_model_file(tmp_path):
+    import torch
+
+    from workloads.digits import Digits
+
+    result, run_dir = run(tmp_path, "files", "training.steps=5")
+    saved = json.loads((run_dir / "result.json").read_text())
+    assert {"final_step", "metrics", "history", "events"} <= saved.keys()
+    assert {"step", "time_s", "loss", "samples_per_s", "world_size"} <= saved["history"][0].keys()
+    assert [row["step"] for row in saved["history"]] == list(range(1, 6))
+    assert all({"type", "step", "time_s"} <= e.keys() for e in saved["events"])
+    model = Digits().build_model()
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+    assert Digits().evaluate(model)["accuracy"] == pytest.approx(result.metrics["accuracy"])

@@ -1,0 +1,31 @@
+"""A user-defined workload outside the package, referenced as "tests.user_workload:Parity"."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import TensorDataset
+
+
+class Parity:
+    """Classify whether the sum of 8 random +-1 features is positive."""
+
+    def __init__(self, num_samples: int = 512, hidden: int = 32) -> None:
+        self.num_samples = num_samples
+        self.hidden = hidden
+        generator = torch.Generator().manual_seed(1234)
+        self.inputs = torch.randint(0, 2, (num_samples + 128, 9), generator=generator).float() * 2 - 1
+        self.targets = (self.inputs.sum(1) > 0).long()
+
+    def build_model(self) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(9, self.hidden), torch.nn.Tanh(), torch.nn.Linear(self.hidden, 2))
+
+    def train_dataset(self) -> TensorDataset:
+        return TensorDataset(self.inputs[: self.num_samples], self.targets[: self.num_samples])
+
+    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(outputs, targets, reduction="sum")
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        with torch.no_grad():
+            predicted = model(self.inputs[self.num_samples:]).argmax(1)
+        return {"accuracy": (predicted == self.targets[self.num_samples:]).float().mean().item()}
