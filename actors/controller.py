@@ -2,12 +2,14 @@
 
 It executes; the policies in ``actors.policies`` decide. A run is a loop of generations::
 
-    place >= min_workers  ->  form generation g (join group, hand state over)  ->  train + watch
-          ^                                                                         |
-          +---- a worker failed / resources appeared / a worker is drained ---------+
+    place >= min_workers -> form generation g (join group, hand state over) -> train + watch
+          ^                                                                      |
+          +-- workers failed / new workers ready / workers drained --------------+
 
-The Controller is a threaded actor: ``run`` blocks in one thread while ``progress`` and
-``drain`` answer from others.
+Survivors are never restarted: they leave the broken group and join generation g+1 in the
+same process, and the most advanced state among them is broadcast to everyone. The
+Controller is a threaded actor: ``run`` blocks in one thread while ``progress`` and ``drain``
+answer from others.
 """
 
 from __future__ import annotations
@@ -18,24 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.events import RunLog
+from actors.membership import Member, Membership
 from actors.placement import SlotShape, WorkerSlots
-from actors.policies import FailurePolicy, Raise, ScalingPolicy
-from actors.watch import Finished, Interrupted, WatchOutcome, Watcher, WorkersFailed
-from actors.worker import TrainWorkerActor, WorkerSpec
-from cluster.config import JobConfig
+from actors.policies import FailurePolicy, Raise, Resize, ScalingPolicy, ScalingState
+from actors.watch import Finished, Interrupted, Watcher, WorkersFailed
+from actors.worker import WorkerSpec
+from cluster.config import FaultConfig, JobConfig
 from strategies.checkpoint import Checkpointer, latest_checkpoint
 from strategies.process_group import GroupAssignment, host_store
 
-
-@dataclass
-class Member:
-    actor: Any
-    slot: Any
-    name: str
-    node_id: str = ""
+START_GRACE_S = 1.0
+"""After min_workers are placed, how long the start waits for the rest of max_workers."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +43,7 @@ class RunResult:
     events: list[dict[str, Any]]
     model_state: dict[str, Any]
     checkpoint: str | None
+    ledger: dict[int, list[int]] | None = None
 
 
 class RunFailed(RuntimeError):
@@ -57,147 +55,218 @@ class Controller:
         self.job = job
         self.log = RunLog()
         self.checkpoint_root = checkpoint_root
-        self.scaling_policy = ScalingPolicy(min_workers=job.scaling.min_workers,
-                                            max_workers=job.scaling.max_workers)
+        scaling = job.scaling
+        self.scaling_policy = ScalingPolicy(min_workers=scaling.min_workers, max_workers=scaling.max_workers)
         self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
-        self.slots = WorkerSlots(SlotShape(cpus=job.scaling.cpus_per_worker, gpus=int(job.scaling.use_gpu)),
-                                 job.name)
+        self.checkpointer = Checkpointer(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
+                                         num_to_keep=job.checkpoint.num_to_keep, config_hash=job.math_hash(),
+                                         global_batch_size=job.training.global_batch_size)
+        spec = WorkerSpec(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
+                          use_gpu=scaling.use_gpu, torch_threads=max(1, int(scaling.cpus_per_worker)),
+                          checkpointer=self.checkpointer)
+        shape = SlotShape(cpus=scaling.cpus_per_worker, gpus=int(scaling.use_gpu),
+                          custom=dict(scaling.resources_per_worker))
+        self.membership = Membership(run_name=job.name, spec=spec, slots=WorkerSlots(shape, job.name),
+                                     cpus=shape.cpus, gpus=shape.gpus, resources=shape.custom)
         self.node_ip = ray.util.get_node_ip_address()
         self.store = host_store(self.node_ip)
-        self.members: list[Member] = []
         self.generation = -1
         self.step = 0
         self.failures = 0
-        self.spawned = 0
         self.stopping = False
-        self.checkpointer = Checkpointer(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
-                                         num_to_keep=job.checkpoint.num_to_keep,
-                                         config_hash=job.math_hash(),
-                                         global_batch_size=job.training.global_batch_size)
+        self.pending_faults: list[FaultConfig] = list(job.faults)
+        self.recovering_since: float | None = None
 
-    # -- public API (called by the driver, the CLI and tests) -------------------------------------------
+    @property
+    def members(self) -> list[Member]:
+        return self.membership.members
+
+    # -- public API (the driver, the CLI, an autoscaler, tests) --------------------------------------------
     def run(self) -> RunResult:
         """Train to ``training.steps``; raises RunFailed with the reason when the run cannot go on."""
         try:
-            self._start_members()
-            self._resume_from_checkpoint()
+            self._start()
             while True:
                 self._form_generation()
                 outcome = Watcher(self).watch(until_step=self.job.training.steps)
                 if isinstance(outcome, Finished):
                     return self._finish()
-                self._handle(outcome)
+                if isinstance(outcome, Interrupted):
+                    raise RunFailed(f"run stopped by the user at step {self.step}{self._checkpoint_note()}")
+                if isinstance(outcome, WorkersFailed):
+                    self._recover(outcome)
+                else:
+                    self._change_membership()
         finally:
-            self._shutdown_members()
+            self.membership.shutdown()
 
     def progress(self, history_since: int = 0, events_since: int = 0) -> dict[str, Any]:
         """New history rows and events since the given positions, and the current membership."""
         return {"history": self.log.history(history_since), "events": self.log.events(events_since),
-                "generation": self.generation, "world_size": len(self.members), "step": self.step,
+                "generation": self.generation, "world_size": self.membership.size, "step": self.step,
                 "members": [m.name for m in self.members], "failures": self.failures}
+
+    def drain(self, *, rank: int | None = None, node_id: str | None = None) -> list[str]:
+        """Planned removal: the worker of ``rank`` (or every worker on ``node_id``) leaves at the next
+        step boundary, with nothing discarded. Returns the names of the workers that will leave."""
+        names = {m.name for r, m in enumerate(self.members) if r == rank or (node_id and m.node_id == node_id)}
+        self.membership.drain(names)
+        return sorted(names)
 
     def stop(self) -> None:
         """End the run at the next step boundary (Ctrl-C); workers are shut down, nothing orphaned."""
         self.stopping = True
+        self.request_boundary()
+
+    def request_boundary(self) -> None:
         for member in self.members:
             member.actor.request_stop.remote()
 
-    # -- generations -------------------------------------------------------------------------------------
-    def _start_members(self) -> None:
+    # -- membership -----------------------------------------------------------------------------------------
+    def _start(self) -> None:
         scaling = self.job.scaling
-        self.slots.request(scaling.max_workers)
-        slots = self.slots.take_ready(scaling.max_workers, at_least=scaling.min_workers,
-                                      timeout_s=scaling.placement_timeout_s)
-        if len(slots) < scaling.min_workers:
-            raise RunFailed(f"only {len(slots)} of scaling.min_workers={scaling.min_workers} workers could be "
-                            f"placed within scaling.placement_timeout_s={scaling.placement_timeout_s}s "
-                            f"(each needs {scaling.cpus_per_worker} CPU"
-                            f"{' and 1 GPU' if scaling.use_gpu else ''}); the cluster has "
-                            f"{ray.cluster_resources()}")
-        self.members = self._spawn(slots)
+        self.membership.slots.request(scaling.max_workers)
+        slots = self.membership.slots.take_ready(scaling.max_workers, at_least=scaling.min_workers,
+                                                 timeout_s=scaling.placement_timeout_s)
+        if len(slots) < scaling.max_workers:  # slots placed together become ready a moment apart
+            slots += self.membership.slots.take_ready(scaling.max_workers - len(slots), at_least=scaling.max_workers
+                                                      - len(slots), timeout_s=START_GRACE_S)
+        self.membership.admit(self.membership.spawn(slots))
+        self._require_min_workers("could be placed")
+        self._resume_from_checkpoint()
 
-    def _spawn(self, slots: list) -> list[Member]:
-        spec = WorkerSpec(workload=self.job.workload, training=self.job.training, optim=self.job.optim,
-                          strategy=self.job.strategy, use_gpu=self.job.scaling.use_gpu,
-                          torch_threads=max(1, int(self.job.scaling.cpus_per_worker)),
-                          checkpointer=self.checkpointer)
-        members = []
-        for slot in slots:
-            self.spawned += 1
-            name = f"raylastic:{self.job.name}:worker{self.spawned}"
-            actor = TrainWorkerActor.options(
-                name=name, num_cpus=self.job.scaling.cpus_per_worker, num_gpus=int(self.job.scaling.use_gpu),
-                max_restarts=0, max_concurrency=2,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=slot),
-            ).remote(spec)
-            members.append(Member(actor=actor, slot=slot, name=name))
-        return members
+    def _require_min_workers(self, what: str) -> None:
+        scaling = self.job.scaling
+        if self.membership.size < scaling.min_workers:
+            raise RunFailed(
+                f"only {self.membership.size} of scaling.min_workers={scaling.min_workers} workers {what} within "
+                f"scaling.placement_timeout_s={scaling.placement_timeout_s}s (each needs "
+                f"{self.membership.slots.shape.bundle()}); the cluster has {ray.cluster_resources()}"
+                f"{self._checkpoint_note()}")
 
+    def consider_scaling(self) -> bool:
+        """Start joiners if the policy wants more workers; True when a membership change is ready."""
+        scaling_state = ScalingState(num_workers=self.membership.size + len(self.membership.joining),
+                                     num_placeable=self.membership.slots.count_ready())
+        decision = self.scaling_policy.decide(scaling_state)
+        if isinstance(decision, Resize) and decision.num_workers > scaling_state.num_workers:
+            self.membership.add_joiners(decision.num_workers - scaling_state.num_workers)
+        return bool(self.membership.draining or self.membership.ready_joiners())
+
+    def _change_membership(self) -> None:
+        """At a step boundary: drained workers leave, ready joiners come in."""
+        for member in self.membership.remove_drained():
+            self.log.event("worker_left", self.step, worker=member.name, reason="drained")
+        self._admit_ready_joiners()
+
+    def _admit_ready_joiners(self) -> None:
+        joiners = self.membership.ready_joiners()
+        self.membership.admit(joiners)
+        for member in joiners:
+            self.log.event("worker_joined", self.step, worker=member.name)
+
+    def _recover(self, outcome: WorkersFailed) -> None:
+        """Drop the failed workers, ask the policy, keep the survivors and wait for min_workers if needed."""
+        self.recovering_since = self.recovering_since or time.time()
+        for member, reason in outcome.failed:
+            self.membership.drop(member)
+            self.log.event("worker_failed", self.step, worker=member.name, reason=reason)
+        self.failures += len(outcome.failed)
+        self.pending_faults = [f for f in self.pending_faults if f.step > self.step + 1]
+        decision = self.failure_policy.decide(self.failures)
+        if isinstance(decision, Raise):
+            raise RunFailed(f"{decision.reason}; last failure: {outcome.describe()}{self._checkpoint_note()}")
+        time.sleep(decision.backoff_s)
+        missing = self.job.scaling.min_workers - self.membership.size
+        if missing > 0:
+            self.log.event("waiting_for_resources", self.step, workers=self.membership.size, needed=missing)
+            self.membership.add_joiners(missing)
+            self.membership.wait_for_joiners(self.job.scaling.placement_timeout_s)
+            self.membership.add_joiners(missing - len(self.membership.joining))
+            self._admit_ready_joiners()
+            self._require_min_workers("are available after the failure")
+        else:
+            self._admit_ready_joiners()
+
+    # -- generations ----------------------------------------------------------------------------------------
     def _resume_from_checkpoint(self) -> None:
-        if self.job.checkpoint.resume != "auto":
-            return
-        found = latest_checkpoint(self.checkpoint_root)
+        found = latest_checkpoint(self.checkpoint_root) if self.job.checkpoint.resume == "auto" else None
         if found is None:
             return
         if found.manifest.config_hash != self.job.math_hash():
-            raise RunFailed(f"checkpoint {found.path} was written by a job with a different workload, optimizer, "
-                            "global batch or seed; use another --run-dir or set checkpoint.resume=never")
+            raise RunFailed(f"checkpoint {found.path} was written by a job with another workload, optimizer, global "
+                            "batch or seed; use another --run-dir or set checkpoint.resume=never")
         self.step = ray.get(self.members[0].actor.load_checkpoint.remote(str(found.path)))
         self.log.event("resumed", self.step, path=str(found.path))
 
     def _form_generation(self) -> None:
-        """Every member joins generation g+1; the most advanced one's state is handed to all."""
+        """Every member joins generation g+1; the most advanced one's state is handed to all.
+
+        A member dying here is a failure like any other: it is dropped and the next generation formed.
+        """
+        while True:
+            try:
+                return self._try_form_generation()
+            except ray.exceptions.RayError as error:
+                dead = [m for m in self.members if not _alive(m)]
+                if not dead:
+                    raise RunFailed(f"generation {self.generation} could not form: {error}") from None
+                self._recover(WorkersFailed([(m, "died while the group was forming") for m in dead]))
+
+    def _try_form_generation(self) -> None:
         started = time.time()
         self.generation += 1
-        world_size = len(self.members)
+        members, world_size = list(self.members), self.membership.size
         reports = ray.get([m.actor.join.remote(GroupAssignment(
             generation=self.generation, rank=rank, world_size=world_size, store_host=self.node_ip,
             store_port=self.store.port, timeout_s=self.job.failure.collective_timeout_s))
-            for rank, m in enumerate(self.members)])
-        for member, report in zip(self.members, reports):
+            for rank, m in enumerate(members)])
+        for member, report in zip(members, reports):
             member.node_id = report.node_id
         source = max(range(world_size), key=lambda r: reports[r].step)
+        lost = self.step - reports[source].step
         self.step = reports[source].step
-        behind = sum(1 for r in reports if r.step != self.step)
-        ray.get([m.actor.sync_state.remote(source) for m in self.members])
+        ray.get([m.actor.sync_state.remote(source) for m in members])
         self.log.event("generation_formed", self.step, generation=self.generation, world_size=world_size,
-                       state_source_rank=source, ranks_updated=behind,
-                       duration_s=round(time.time() - started, 4))
+                       state_source_rank=source, ranks_updated=sum(r.step != self.step for r in reports),
+                       steps_lost=lost, duration_s=round(time.time() - started, 4))
 
-    def _handle(self, outcome: WatchOutcome) -> None:
-        if isinstance(outcome, Interrupted):
-            raise RunFailed(f"run stopped by the user at step {self.step}{self._checkpoint_note()}")
-        assert isinstance(outcome, WorkersFailed), outcome
-        self.failures += len(outcome.failed)
-        decision = self.failure_policy.decide(self.failures)
-        if isinstance(decision, Raise):
-            raise RunFailed(f"{decision.reason}; last failure: {outcome.describe()}{self._checkpoint_note()}")
-        raise RunFailed(f"worker failed: {outcome.describe()}{self._checkpoint_note()}")
+    def faults_for(self, rank: int) -> tuple[FaultConfig, ...]:
+        return tuple(f for f in self.pending_faults if f.rank == rank and f.action != "ray_kill")
 
-    # -- the end -----------------------------------------------------------------------------------------
+    def on_step_committed(self, finished_at: float) -> None:
+        """Called by the Watcher for each newly committed step; closes a recovery when one is open."""
+        if self.recovering_since is not None:
+            self.log.event("recovered", self.step, world_size=self.membership.size,
+                           recovery_s=round(finished_at - self.recovering_since, 3))
+            self.recovering_since = None
+
+    # -- the end --------------------------------------------------------------------------------------------
     def _finish(self) -> RunResult:
         leader = self.members[0].actor
         metrics_ref, state_ref = leader.evaluate.remote(), leader.full_state_dict.remote()
-        path = ray.get(leader.save_checkpoint.remote(len(self.members)))
+        path = ray.get(leader.save_checkpoint.remote(self.membership.size))
         self.log.event("checkpointed", self.step, path=path)
-        metrics = ray.get(metrics_ref)
         history = self.log.history()
-        metrics = {"loss": history[-1]["loss"] if history else float("nan"), **metrics}
+        metrics = {"loss": history[-1]["loss"] if history else float("nan"), **ray.get(metrics_ref)}
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})
         return RunResult(final_step=self.step, metrics=metrics, history=history, events=self.log.events(),
-                         model_state=ray.get(state_ref), checkpoint=path)
+                         model_state=ray.get(state_ref), checkpoint=path,
+                         ledger=self.log.ledger() if self.job.training.record_samples else None)
 
     def _checkpoint_note(self) -> str:
         found = latest_checkpoint(self.checkpoint_root)
-        return f"; last checkpoint: {found.path} (step {found.manifest.step})" if found else \
-            "; no checkpoint was written (set checkpoint.every_steps)"
+        if found is None:
+            return "; no checkpoint was written yet (checkpoint.every_steps)"
+        return f"; last checkpoint: {found.path} (step {found.manifest.step})"
 
-    def _shutdown_members(self) -> None:
-        for member in self.members:
-            ray.kill(member.actor)
-            self.slots.release(member.slot)
-        self.slots.release_pending()
-        self.members = []
+
+def _alive(member: Member) -> bool:
+    try:
+        ray.get(member.actor.pid.remote(), timeout=5)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
 
 
 ControllerActor = ray.remote(num_cpus=0, max_concurrency=8)(Controller)

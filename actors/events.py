@@ -18,6 +18,7 @@ class RunLog:
         self._events: list[dict[str, Any]] = []
         self._history: dict[int, dict[str, Any]] = {}
         self._history_order: list[int] = []
+        self._samples: dict[int, list[int]] = {}
 
     def event(self, type_: str, step: int, **fields: Any) -> dict[str, Any]:
         record = {"type": type_, "step": step, "time_s": round(time.time() - self.started, 4), **fields}
@@ -31,6 +32,16 @@ class RunLog:
             if step not in self._history:
                 self._history_order.append(step)
             self._history[step] = {"step": step, "time_s": round(finished_at - self.started, 4), **fields}
+
+    def add_samples(self, step: int, sample_ids: tuple[int, ...]) -> None:
+        """Ledger entry: the samples all ranks consumed in ``step`` (a redone step replaces its entry)."""
+        with self._lock:
+            self._samples[step] = list(sample_ids)
+
+    def ledger(self) -> dict[int, list[int]]:
+        """For each committed step, the samples consumed, in rank order."""
+        with self._lock:
+            return dict(sorted(self._samples.items()))
 
     def events(self, since: int = 0) -> list[dict[str, Any]]:
         with self._lock:

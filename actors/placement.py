@@ -7,16 +7,23 @@ another job ends) - which is how the Controller learns it can scale up.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (PlacementGroup, placement_group, placement_group_table,
+                                      remove_placement_group)
+
+WAIT_INTERVAL_S = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)
 class SlotShape:
     cpus: float
     gpus: int
+    custom: dict[str, float]
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {}), **self.custom}
 
 
 class WorkerSlots:
@@ -28,31 +35,24 @@ class WorkerSlots:
 
     def request(self, count: int) -> None:
         """Ask Ray for ``count`` more slots; they become ready when resources allow."""
-        bundle = {"CPU": self.shape.cpus, **({"GPU": self.shape.gpus} if self.shape.gpus else {})}
         for _ in range(count):
             self._created += 1
-            self._pending.append(placement_group([bundle], name=f"raylastic:{self.run_name}:slot{self._created}"))
+            name = f"raylastic:{self.run_name}:slot{self._created}"
+            self._pending.append(placement_group([self.shape.bundle()], name=name))
 
     def take_ready(self, at_most: int, *, at_least: int = 0, timeout_s: float = 0.0) -> list[PlacementGroup]:
         """Up to ``at_most`` ready slots, waiting up to ``timeout_s`` for ``at_least`` of them."""
-        if not self._pending or at_most <= 0:
-            return []
-        refs = {pg.ready(): pg for pg in self._pending}
-        ray.wait(list(refs), num_returns=max(1, min(at_least, len(refs))), timeout=timeout_s)
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-        taken = [refs[r] for r in ready[:at_most]]
+        deadline = time.monotonic() + timeout_s
+        ready = self._ready()
+        while len(ready) < min(at_least, len(self._pending)) and time.monotonic() < deadline:
+            time.sleep(WAIT_INTERVAL_S)
+            ready = self._ready()
+        taken = ready[:at_most]
         self._pending = [pg for pg in self._pending if pg not in taken]
         return taken
 
     def count_ready(self) -> int:
-        if not self._pending:
-            return 0
-        ready, _ = ray.wait([pg.ready() for pg in self._pending], num_returns=len(self._pending), timeout=0)
-        return len(ready)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
+        return len(self._ready())
 
     def release(self, slot: PlacementGroup) -> None:
         remove_placement_group(slot)
@@ -61,3 +61,7 @@ class WorkerSlots:
         for slot in self._pending:
             remove_placement_group(slot)
         self._pending = []
+
+    def _ready(self) -> list[PlacementGroup]:
+        # A state query to the GCS; pg.ready() would schedule a task per call.
+        return [pg for pg in self._pending if placement_group_table(pg)["state"] == "CREATED"]

@@ -34,6 +34,8 @@ class StepResult:
     stop_requested: bool
     finished_at: float
     """Wall-clock time (time.time()) when the step was committed."""
+    sample_ids: tuple[int, ...] | None = None
+    """The dataset indices all ranks trained on in this step, gathered (when samples are recorded)."""
 
 
 def gather_batch(dataset: Dataset, indices: torch.Tensor, device: torch.device) -> tuple:
@@ -56,6 +58,7 @@ class StepRunner:
     optimizer: torch.optim.Optimizer
     micro_batch_size: int | None
     device: torch.device
+    record_samples: bool = False
 
     def run(self, wrapped: torch.nn.Module, step_index: int, *, stop_vote: bool) -> StepResult:
         """Train on step ``step_index`` (0-based) and commit it; collectives fail if a peer is lost."""
@@ -75,10 +78,21 @@ class StepRunner:
             loss_sum += loss.detach().double().cpu()  # a device sync point, once per micro-batch
         reduced = torch.stack([loss_sum, torch.tensor(float(len(indices)), dtype=torch.float64),
                                torch.tensor(1.0 if stop_vote else 0.0, dtype=torch.float64)])
+        consumed = self._gather_sample_ids(indices, world_size) if self.record_samples else None
         reduced = reduced.to(self.device)
         dist.all_reduce(reduced)  # a peer lost during this step fails here or earlier: step discarded
         self.optimizer.step()
         loss_total, samples, stop_votes = reduced.tolist()
         return StepResult(step=step_index + 1, loss=loss_total / samples, samples=int(samples),
                           duration_s=time.perf_counter() - started, stop_requested=stop_votes > 0,
-                          finished_at=time.time())
+                          finished_at=time.time(),
+                          sample_ids=consumed)
+
+    def _gather_sample_ids(self, indices: torch.Tensor, world_size: int) -> tuple[int, ...]:
+        """Every rank's sample ids of this step, in rank order, as each rank reports them (the ledger)."""
+        width = -(-self.order.global_batch_size // world_size)
+        padded = torch.full((width,), -1, dtype=torch.int64)
+        padded[: len(indices)] = indices
+        parts = [torch.empty_like(padded, device=self.device) for _ in range(world_size)]
+        dist.all_gather(parts, padded.to(self.device))
+        return tuple(i for part in parts for i in part.tolist() if i >= 0)

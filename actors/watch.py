@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from actors.controller import Controller, Member
 
 POLL_INTERVAL_S = 0.05
+SCALING_INTERVAL_S = 0.5
 ERROR_GRACE_S = 2.0
 """How long a collective error may precede the report of the death that caused it."""
 
@@ -66,12 +67,21 @@ class Watcher:
         now = time.monotonic()
         self.views = {m.name: _MemberView(last_answer=now) for m in members}
         try:
-            ray.get([m.actor.train.remote(until_step) for m in members])
+            ray.get([m.actor.train.remote(until_step, self.controller.faults_for(rank))
+                     for rank, m in enumerate(members)])
         except RayActorError as error:
             return WorkersFailed(self._dead_members(members, error))
         first_error_at: float | None = None
+        next_scaling_check = now + SCALING_INTERVAL_S
+        boundary_requested = False
         while True:
             self._poll(members)
+            self._fire_ray_kills(members)
+            if not boundary_requested and time.monotonic() >= next_scaling_check:
+                next_scaling_check = time.monotonic() + SCALING_INTERVAL_S
+                if self.controller.consider_scaling():
+                    self.controller.request_boundary()
+                    boundary_requested = True
             failed = [(m, v.dead) for m in members if (v := self.views[m.name]).dead]
             if failed:
                 return WorkersFailed(failed)
@@ -112,14 +122,25 @@ class Watcher:
             self._record(status)
 
     def _record(self, status: Any) -> None:
-        log = self.controller.log
+        controller, log = self.controller, self.controller.log
         for result in status.results:
             log.add_step(result.step, result.finished_at, loss=result.loss,
                          samples_per_s=round(result.samples / result.duration_s, 2),
-                         world_size=len(self.controller.members))
-            self.controller.step = max(self.controller.step, result.step)
+                         world_size=len(controller.members))
+            if result.sample_ids is not None:
+                log.add_samples(result.step, result.sample_ids)
+            if result.step > controller.step:
+                controller.step = result.step
+                controller.on_step_committed(result.finished_at)
         for event in status.events:
             log.event(event.pop("type"), event.pop("step"), **event)
+
+    def _fire_ray_kills(self, members: list[Member]) -> None:
+        """The ``ray_kill`` faults: Ray kills the actor from outside once its step is in flight."""
+        for fault in [f for f in self.controller.pending_faults if f.action == "ray_kill"]:
+            if self.controller.step >= fault.step - 1 and fault.rank < len(members):
+                ray.kill(members[fault.rank].actor, no_restart=True)
+                self.controller.pending_faults.remove(fault)
 
     def _dead_members(self, members: list[Member], error: RayActorError) -> list[tuple[Member, str]]:
         self._poll(members)

@@ -14,6 +14,7 @@ Lifecycle (each call from the Controller)::
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -25,8 +26,9 @@ import ray
 import torch
 
 from actors.data_order import GlobalSampleOrder
+from actors.faults import fire
 from actors.step_loop import StepResult, StepRunner
-from cluster.config import OptimConfig, StrategyConfig, TrainingConfig, WorkloadConfig
+from cluster.config import FaultConfig, OptimConfig, StrategyConfig, TrainingConfig, WorkloadConfig
 from strategies import build_strategy
 from strategies.checkpoint import Checkpointer, load_checkpoint_state
 from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group, leave_group
@@ -87,7 +89,8 @@ class TrainWorker:
             workload=self.workload, dataset=dataset,
             order=GlobalSampleOrder(len(dataset), spec.training.global_batch_size, spec.training.seed),
             strategy=build_strategy(spec.strategy), optimizer=self.optimizer,
-            micro_batch_size=spec.training.micro_batch_size, device=self.device)
+            micro_batch_size=spec.training.micro_batch_size, device=self.device,
+            record_samples=spec.training.record_samples)
         self.wrapped: torch.nn.Module = self.model
         self.step = 0
         self._lock = threading.Lock()
@@ -104,6 +107,8 @@ class TrainWorker:
     def join(self, assignment: GroupAssignment) -> JoinReport:
         """Leave the old group and join generation ``assignment.generation``; keeps model and optimizer."""
         self._wait_for_loop()
+        self.wrapped = self.model
+        gc.collect()  # the old DDP's reducer (and its autograd hooks on our parameters) must be gone
         join_group(assignment, self.backend)
         self.wrapped = self.runner.strategy.wrap(self.model, self.device)
         self._phase, self._error = "idle", None
@@ -124,11 +129,15 @@ class TrainWorker:
         self.step = int(state["step"])
         return self.step
 
-    def train(self, until_step: int) -> None:
-        """Start the step loop in a thread; it runs until ``until_step``, a stop vote, or an error."""
+    def train(self, until_step: int, faults: tuple[FaultConfig, ...] = ()) -> None:
+        """Start the step loop in a thread; it runs until ``until_step``, a stop vote, or an error.
+
+        ``faults`` are the injected faults aimed at this worker's rank in this generation.
+        """
         self._wait_for_loop()
         self._phase = "training"
-        self._thread = threading.Thread(target=self._loop, args=(until_step,), name="step-loop", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(until_step, faults), name="step-loop",
+                                        daemon=True)
         self._thread.start()
 
     def request_stop(self) -> None:
@@ -162,9 +171,12 @@ class TrainWorker:
         self._wait_for_loop()
         leave_group()
 
-    def _loop(self, until_step: int) -> None:
+    def _loop(self, until_step: int, faults: tuple[FaultConfig, ...]) -> None:
         try:
             while self.step < until_step:
+                for fault in faults:
+                    if fault.step == self.step + 1:
+                        fire(fault)
                 result = self.runner.run(self.wrapped, self.step, stop_vote=self._stop_vote.is_set())
                 with self._lock:
                     self.step = result.step

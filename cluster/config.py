@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 STRATEGIES = ("ddp",)
 OPTIMIZERS = ("adamw", "sgd")
+FAULT_ACTIONS = ("kill", "ray_kill", "stall", "raise", "remove_node")
 
 
 def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None:
@@ -58,8 +59,8 @@ class TrainingConfig:
     this size. None: the whole slice at once."""
     seed: int = 0
     """Seeds the model's initialisation and the per-epoch sample permutation."""
-    eval_every: int = 0
-    """Evaluate held-out metrics every this many steps (0: only at the end)."""
+    record_samples: bool = False
+    """Record which samples every rank consumed in each committed step: result.json's "ledger"."""
 
     def __post_init__(self) -> None:
         _require(_positive_int(self.steps), "training.steps", "a positive integer", self.steps)
@@ -69,8 +70,8 @@ class TrainingConfig:
                  "training.micro_batch_size", "a positive integer or null", self.micro_batch_size)
         _require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
                  "training.seed", "a non-negative integer", self.seed)
-        _require(isinstance(self.eval_every, int) and self.eval_every >= 0, "training.eval_every",
-                 "a non-negative integer", self.eval_every)
+        _require(isinstance(self.record_samples, bool), "training.record_samples", "true or false",
+                 self.record_samples)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,8 +117,10 @@ class ScalingConfig:
     """One GPU per worker, NCCL between them; otherwise CPU workers on gloo."""
     cpus_per_worker: float = 1.0
     """Ray CPUs reserved per worker (fractions allowed); torch uses max(1, floor) threads."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Further Ray resources each worker reserves, e.g. {"worker_slot": 1} or {"accelerator_type:A100": 0.01}."""
     placement_timeout_s: float = 120.0
-    """How long to wait for min_workers to be placed before failing the run."""
+    """How long to wait for min_workers to be placed, at the start and after failures, before failing."""
 
     def __post_init__(self) -> None:
         _require(_positive_int(self.min_workers), "scaling.min_workers", "a positive integer",
@@ -130,6 +133,10 @@ class ScalingConfig:
         _require(isinstance(self.use_gpu, bool), "scaling.use_gpu", "true or false", self.use_gpu)
         _require(_number(self.cpus_per_worker) and self.cpus_per_worker > 0, "scaling.cpus_per_worker",
                  "a positive number", self.cpus_per_worker)
+        _require(isinstance(self.resources_per_worker, dict) and all(
+            isinstance(k, str) and _number(v) and v > 0 for k, v in self.resources_per_worker.items()),
+            "scaling.resources_per_worker", "a mapping of resource name to a positive amount",
+            self.resources_per_worker)
         _require(_number(self.placement_timeout_s) and self.placement_timeout_s > 0,
                  "scaling.placement_timeout_s", "a positive number of seconds", self.placement_timeout_s)
 
@@ -150,6 +157,27 @@ class FailureConfig:
                  "failure.collective_timeout_s", "a positive number of seconds", self.collective_timeout_s)
         _require(_number(self.step_timeout_s) and self.step_timeout_s > 0,
                  "failure.step_timeout_s", "a positive number of seconds", self.step_timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """A fault to inject, for tests and demos: ``{action: kill, rank: 1, step: 30}``."""
+
+    action: Literal["kill", "ray_kill", "stall", "raise", "remove_node"]
+    """kill: the worker SIGKILLs itself; ray_kill: the Controller ray.kill()s it; stall: it SIGSTOPs
+    itself (a hung worker); raise: its step raises; remove_node: its node's raylet is killed (the
+    whole node leaves; refused on the head node)."""
+    rank: int
+    """The rank, in the generation running at that step, that the fault hits."""
+    step: int
+    """The fault hits while this step (1-based) is in flight; it fires once per run."""
+
+    def __post_init__(self) -> None:
+        _require(self.action in FAULT_ACTIONS, "faults[].action", f"one of {', '.join(FAULT_ACTIONS)}",
+                 self.action)
+        _require(isinstance(self.rank, int) and self.rank >= 0, "faults[].rank", "a non-negative integer",
+                 self.rank)
+        _require(_positive_int(self.step), "faults[].step", "a positive integer", self.step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +212,8 @@ class JobConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: tuple[FaultConfig, ...] = ()
+    """Faults to inject (tests and demos); empty for real runs."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and self.name.replace("-", "").replace("_", "").isalnum(),

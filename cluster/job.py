@@ -99,6 +99,8 @@ def _write_result(run_dir: Path, job: JobConfig, *, status: str, result: RunResu
     if result is not None:
         payload.update(final_step=result.final_step, metrics=result.metrics, checkpoint=result.checkpoint,
                        history=result.history, events=result.events)
+        if result.ledger is not None:
+            payload["ledger"] = result.ledger
     else:
         payload.update(error=error, final_step=progress["step"], history=progress["history"],
                        events=progress["events"])

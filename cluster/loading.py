@@ -74,6 +74,11 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value or {}, prefix=f"{prefix}{name}.")
+        elif typing.get_origin(hint) is tuple and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"{prefix}{name} must be a list, got {value!r}")
+            item = typing.get_args(hint)[0]
+            kwargs[name] = tuple(_build(item, v, prefix=f"{prefix}{name}[{i}].") for i, v in enumerate(value))
         else:
             kwargs[name] = _coerce(hint, value)
     return cls(**kwargs)

@@ -29,3 +29,28 @@ class Parity:
         with torch.no_grad():
             predicted = model(self.inputs[self.num_samples:]).argmax(1)
         return {"accuracy": (predicted == self.targets[self.num_samples:]).float().mean().item()}
+
+
+class SlowDigits:
+    """The digits workload with a fixed pause per micro-batch, so a test can act while it trains."""
+
+    def __init__(self, pause_s: float = 0.02) -> None:
+        from workloads.digits import Digits
+
+        self.digits = Digits()
+        self.pause_s = pause_s
+
+    def build_model(self) -> torch.nn.Module:
+        return self.digits.build_model()
+
+    def train_dataset(self) -> TensorDataset:
+        return self.digits.train_dataset()
+
+    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.pause_s)
+        return self.digits.loss_sum(outputs, targets)
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        return self.digits.evaluate(model)

@@ -1,0 +1,117 @@
+"""Who is in the run: members of the current generation, workers starting up to join, and drains.
+
+New workers are started (actor created, model built) while the current generation keeps
+training; only once they are ready does the Controller stop the group at a step boundary to
+let them in, so a scale-up costs the group one re-formation, not the start-up time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.placement import WorkerSlots
+from actors.worker import TrainWorkerActor, WorkerSpec
+
+
+@dataclass
+class Member:
+    actor: Any
+    slot: Any
+    name: str
+    node_id: str = ""
+    ready: Any = field(default=None, repr=False)
+    """ObjectRef that resolves once the actor is constructed."""
+
+
+class Membership:
+    def __init__(self, *, run_name: str, spec: WorkerSpec, slots: WorkerSlots, cpus: float, gpus: int,
+                 resources: dict[str, float]) -> None:
+        self.run_name = run_name
+        self.spec = spec
+        self.slots = slots
+        self._actor_options = dict(num_cpus=cpus, num_gpus=gpus, resources=resources or None, max_restarts=0,
+                                   max_concurrency=2)
+        self.members: list[Member] = []
+        self.joining: list[Member] = []
+        self.draining: set[str] = set()
+        self._spawned = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def spawn(self, slots: list) -> list[Member]:
+        started = []
+        for slot in slots:
+            self._spawned += 1
+            name = f"raylastic:{self.run_name}:worker{self._spawned}"
+            actor = TrainWorkerActor.options(
+                name=name, scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=slot),
+                **self._actor_options).remote(self.spec)
+            started.append(Member(actor=actor, slot=slot, name=name, ready=actor.pid.remote()))
+        return started
+
+    def add_joiners(self, count: int) -> int:
+        """Start up to ``count`` new workers on slots that are ready now; returns how many started."""
+        joiners = self.spawn(self.slots.take_ready(count))
+        self.joining += joiners
+        return len(joiners)
+
+    def ready_joiners(self) -> list[Member]:
+        """Joiners whose actor is constructed; a joiner that died starting is dropped and replaced."""
+        if not self.joining:
+            return []
+        ready, _ = ray.wait([m.ready for m in self.joining], num_returns=len(self.joining), timeout=0)
+        constructed = []
+        for member in [m for m in self.joining if m.ready in ready]:
+            try:
+                ray.get(member.ready)
+                constructed.append(member)
+            except RayActorError:
+                self.joining.remove(member)
+                self.remove(member, replace=True)
+        return constructed
+
+    def wait_for_joiners(self, timeout_s: float) -> list[Member]:
+        if self.joining:
+            ray.wait([m.ready for m in self.joining], num_returns=len(self.joining), timeout=timeout_s)
+        return self.ready_joiners()
+
+    def admit(self, joiners: list[Member]) -> None:
+        self.joining = [m for m in self.joining if m not in joiners]
+        self.members += joiners
+
+    def drain(self, names: set[str]) -> None:
+        self.draining |= names & {m.name for m in self.members}
+
+    def remove_drained(self) -> list[Member]:
+        """Members asked to leave: removed now, at a step boundary, without replacement."""
+        leaving = [m for m in self.members if m.name in self.draining]
+        for member in leaving:
+            self.members.remove(member)
+            self.remove(member, replace=False)
+        self.draining.clear()
+        return leaving
+
+    def drop(self, member: Member) -> None:
+        """A member that failed: removed, and a slot requested for its replacement."""
+        if member in self.members:
+            self.members.remove(member)
+        self.remove(member, replace=True)
+
+    def remove(self, member: Member, *, replace: bool) -> None:
+        ray.kill(member.actor, no_restart=True)
+        self.slots.release(member.slot)
+        if replace:
+            self.slots.request(1)
+
+    def shutdown(self) -> None:
+        for member in self.members + self.joining:
+            self.remove(member, replace=False)
+        self.members, self.joining = [], []
+        self.slots.release_pending()

@@ -1,0 +1,120 @@
+"""The ``raylastic`` command on bad configs: one ``error: ...`` line naming the field, exit code 2, no traceback.
+
+Every case fails before Ray starts. To keep it so, the command runs as ``python -m cluster`` under a guard
+that turns any ``ray.init`` into exit code 99 (so a regression fails here instead of starting Ray).
+
+    python -m pytest tests/test_cli.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RAY_INIT_EXIT_CODE = 99
+# Equivalent to `python -m cluster ARGS`, with ray.init replaced by an exit.
+GUARDED_MAIN = f"""
+import runpy, sys
+import ray
+def _refuse(*args, **kwargs):
+    sys.stderr.write("test guard: ray.init was reached\\n")
+    raise SystemExit({RAY_INIT_EXIT_CODE})
+ray.init = _refuse
+runpy.run_module("cluster", run_name="__main__", alter_sys=True)
+"""
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["CI"] = "true"
+    return env
+
+
+def _start(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+        stderr += "\ntimed out after 60 s"
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _console_script() -> str | None:
+    return shutil.which("raylastic", path=str(Path(sys.executable).parent)) or shutil.which("raylastic")
+
+
+BAD_CONFIGS = [
+    pytest.param(["--set", "training.stepz=3"], ["unknown key training.stepz", "steps"], id="unknown-key"),
+    pytest.param(["--set", "scaling.min_workers=3", "--set", "scaling.max_workers=2"],
+                 ["scaling.min_workers (3)", "scaling.max_workers (2)"], id="min-above-max"),
+    pytest.param(["--set", "workload.name=nope.mod:Thing"], ["workload.name='nope.mod:Thing'", "nope.mod"],
+                 id="bad-workload-path"),
+    pytest.param(["--config", "no/such/job.yaml"], ["--config no/such/job.yaml", "cannot read"],
+                 id="missing-config-file"),
+    pytest.param(["--set", "training.steps"], ["--set 'training.steps'", "section.field=value"],
+                 id="override-without-equals"),
+    # Found while writing these tests; strict: they flip to XPASS once fixed.
+    pytest.param(["--set", "training.steps=[1"], ["training.steps"], id="unparsable-value",
+                 marks=pytest.mark.xfail(strict=True, reason="yaml.YAMLError from an override is not a "
+                                         "ValueError: traceback, exit code 1")),
+    pytest.param(["--set", "training=0"], ["training", "mapping"], id="falsy-section-value",
+                 marks=pytest.mark.xfail(strict=True, reason="loading._build reads a falsy section value as "
+                                         "'all defaults' and the CLI goes on to train (here: the guard's exit)")),
+]
+HELP_COMMANDS = {"top": ["--help"], "train": ["train", "--help"]}
+
+
+@pytest.fixture(scope="module")
+def finished() -> dict[str, subprocess.CompletedProcess]:
+    """Every command of this module, started at once (each spends ~1.5 s importing torch and Ray)."""
+    started = {case.id: _start([sys.executable, "-c", GUARDED_MAIN, "train", *case.values[0]])
+               for case in BAD_CONFIGS}
+    script = _console_script()
+    if script is not None:
+        started.update({f"help-{key}": _start([script, *args]) for key, args in HELP_COMMANDS.items()})
+    return {key: _finish(process) for key, process in started.items()}
+
+
+@pytest.mark.parametrize(("args", "fragments"), BAD_CONFIGS)
+def test_bad_config_prints_one_error_and_exits_2(finished, request, args, fragments):
+    completed = finished[request.node.callspec.id]
+    stderr = ANSI_ESCAPE.sub("", completed.stderr)
+    assert completed.returncode != RAY_INIT_EXIT_CODE, f"reached ray.init with a bad config: {args}"
+    assert "Traceback" not in stderr + completed.stdout, stderr
+    assert completed.returncode == 2, (completed.returncode, stderr)
+    assert stderr.startswith("error: "), stderr
+    for fragment in fragments:
+        assert fragment in stderr, f"{fragment!r} not in {stderr!r}"
+
+
+def _help(finished: dict[str, subprocess.CompletedProcess], key: str) -> str:
+    if f"help-{key}" not in finished:
+        pytest.skip("the raylastic console script is not installed (pip install -e .)")
+    completed = finished[f"help-{key}"]
+    assert completed.returncode == 0, completed.stderr
+    return completed.stdout
+
+
+def test_top_level_help_lists_train(finished):
+    stdout = _help(finished, "top")
+    assert "usage: raylastic" in stdout and "train" in stdout
+
+
+def test_train_help_lists_every_option(finished):
+    stdout = _help(finished, "train")
+    for option in ("--set", "--address", "--run-dir", "--config"):
+        assert option in stdout

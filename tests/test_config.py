@@ -1,0 +1,244 @@
+"""JobConfig validation, loading from YAML plus ``--set`` overrides, and the workload resolver; no Ray.
+
+    python -m pytest tests/test_config.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import OPTIMIZERS, STRATEGIES, JobConfig, OptimConfig, WorkloadConfig
+from cluster.loading import job_config_from_dict, load_job_config
+from workloads import BUILTIN_WORKLOADS, resolve_workload_class
+from workloads.digits import Digits
+
+
+def _error(overrides: list[str]) -> str:
+    with pytest.raises(ValueError) as raised:
+        load_job_config(None, overrides)
+    return str(raised.value)
+
+
+# Each case: the overrides, and the fragments the error message must contain (the field and what is allowed).
+BAD_OVERRIDES = [
+    pytest.param(["training.steps=0"], ["training.steps", "positive integer"], id="steps-zero"),
+    pytest.param(["training.steps=-5"], ["training.steps", "positive integer"], id="steps-negative"),
+    pytest.param(["training.global_batch_size=0"], ["training.global_batch_size", "positive integer"],
+                 id="global-batch-zero"),
+    pytest.param(["training.global_batch_size=-64"], ["training.global_batch_size", "positive integer"],
+                 id="global-batch-negative"),
+    pytest.param(["training.micro_batch_size=0"], ["training.micro_batch_size", "positive integer or null"],
+                 id="micro-batch-zero"),
+    pytest.param(["training.micro_batch_size=-2"], ["training.micro_batch_size", "positive integer or null"],
+                 id="micro-batch-negative"),
+    pytest.param(["training.seed=-1"], ["training.seed", "non-negative integer"], id="seed-negative"),
+    pytest.param(["scaling.min_workers=0"], ["scaling.min_workers", "positive integer"], id="min-workers-zero"),
+    pytest.param(["scaling.max_workers=0"], ["scaling.max_workers", "positive integer"], id="max-workers-zero"),
+    pytest.param(["scaling.max_workers=-1"], ["scaling.max_workers", "positive integer"],
+                 id="max-workers-negative"),
+    pytest.param(["scaling.min_workers=3", "scaling.max_workers=2"],
+                 ["scaling.min_workers (3)", "scaling.max_workers (2)", "<="], id="min-above-max"),
+    pytest.param(["scaling.cpus_per_worker=0"], ["scaling.cpus_per_worker", "positive number"], id="cpus-zero"),
+    pytest.param(["scaling.cpus_per_worker=-0.5"], ["scaling.cpus_per_worker", "positive number"],
+                 id="cpus-negative"),
+    pytest.param(["training.global_batch_size=3", "scaling.min_workers=1", "scaling.max_workers=4"],
+                 ["training.global_batch_size (3)", "scaling.max_workers (4)", "cannot be split"],
+                 id="batch-below-max-workers"),
+    pytest.param(["strategy.name=fsdp"], ["strategy.name", "'fsdp'", *STRATEGIES], id="unknown-strategy"),
+    pytest.param(["strategy.bucket_cap_mb=0"], ["strategy.bucket_cap_mb", "positive"], id="bucket-zero"),
+    pytest.param(["strategy.bucket_cap_mb=-25"], ["strategy.bucket_cap_mb", "positive"], id="bucket-negative"),
+    pytest.param(["optim.lr=0"], ["optim.lr", "(0, 10]"], id="lr-zero"),
+    pytest.param(["optim.lr=-3e-3"], ["optim.lr", "(0, 10]"], id="lr-negative"),
+    pytest.param(["optim.lr=nan"], ["optim.lr", "(0, 10]"], id="lr-nan"),
+    pytest.param(["optim.name=lamb"], ["optim.name", "'lamb'", *OPTIMIZERS], id="unknown-optimizer"),
+    pytest.param(["training.stepz=3"], ["unknown key training.stepz", "steps", "global_batch_size", "seed"],
+                 id="unknown-key"),
+    pytest.param(["trainingg.steps=3"], ["unknown key trainingg", "training", "scaling", "optim"],
+                 id="unknown-section"),
+    pytest.param(["training=3"], ["training", "mapping", "3"], id="value-for-section"),
+    pytest.param(["training.steps=3", "training.steps.x=4"], ["--set training.steps.x", "'steps' is a value"],
+                 id="field-used-as-section"),
+    pytest.param(["training.steps"], ["--set 'training.steps'", "section.field=value"], id="no-equals"),
+    pytest.param(["=3"], ["--set '=3'", "section.field=value"], id="no-key"),
+    pytest.param(["workload.name="], ["workload.name", "non-empty string"], id="empty-workload-name"),
+    # Found while writing these tests; see the reasons. strict: they flip to XPASS once fixed.
+    pytest.param(["training=0"], ["training", "mapping"], id="falsy-section-value", marks=pytest.mark.xfail(
+        strict=True, reason="loading._build uses `value or {}`: a falsy section value (0, false, [], '') is "
+        "silently taken as 'all defaults'; `--set training=0` trains the default job")),
+    pytest.param(["training.steps=[1"], ["training.steps"], id="unparsable-value", marks=pytest.mark.xfail(
+        strict=True, reason="loading._parse_override lets yaml.YAMLError escape: not a ValueError, so the "
+        "CLI shows a traceback and exits 1")),
+    pytest.param(["failure.max_failures=true"], ["failure.max_failures"], id="bool-max-failures",
+                 marks=pytest.mark.xfail(strict=True, reason="FailureConfig checks isinstance(x, int), which "
+                                         "accepts True/False (as 1/0)")),
+    pytest.param(["checkpoint.every_steps=true"], ["checkpoint.every_steps"], id="bool-every-steps",
+                 marks=pytest.mark.xfail(strict=True, reason="CheckpointConfig checks isinstance(x, int), which "
+                                         "accepts True/False (as 1/0)")),
+    pytest.param(["scaling.cpus_per_worker=.inf"], ["scaling.cpus_per_worker"], id="cpus-infinite",
+                 marks=pytest.mark.xfail(strict=True, reason="inf passes `> 0`; connect.ray_session then fails "
+                                         "with OverflowError in int(min_cpus + 0.999)")),
+]
+
+
+@pytest.mark.parametrize(("overrides", "fragments"), BAD_OVERRIDES)
+def test_bad_value_names_field_and_what_is_allowed(overrides, fragments):
+    message = _error(overrides)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_unknown_key_lists_every_allowed_key():
+    message = _error(["scaling.max_worker=3"])
+    assert message.startswith("unknown key scaling.max_worker;")
+    for key in ("min_workers", "max_workers", "use_gpu", "cpus_per_worker", "placement_timeout_s"):
+        assert key in message
+
+
+def test_bad_value_in_constructor_names_field():
+    with pytest.raises(ValueError, match=r"optim\.name must be one of adamw, sgd, got 'lamb'"):
+        OptimConfig(name="lamb")
+    with pytest.raises(ValueError, match=r"workload\.name must be a non-empty string"):
+        WorkloadConfig(name="")
+
+
+# -- the YAML file ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    pytest.param("- training\n- optim\n", "expected a mapping of sections, got list", id="list"),
+    pytest.param("42\n", "expected a mapping of sections, got int", id="scalar"),
+    pytest.param("training: [\n", "--config", id="unparsable", marks=pytest.mark.xfail(
+        strict=True, reason="loading.load_job_config lets yaml.YAMLError escape: not a ValueError, so the CLI "
+        "shows a traceback and exits 1")),
+])
+def test_bad_yaml_file_is_named(tmp_path, text, fragment):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as raised:
+        load_job_config(path)
+    assert fragment in str(raised.value) and str(path) in str(raised.value)
+
+
+@pytest.mark.parametrize("name", ["missing.yaml", "."], ids=["missing", "directory"])
+def test_unreadable_yaml_file_is_named(tmp_path, name):
+    path = tmp_path / name
+    with pytest.raises(ValueError, match="cannot read it") as raised:
+        load_job_config(path)
+    assert str(raised.value).startswith(f"--config {path}:")
+
+
+def test_empty_yaml_file_gives_defaults(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("# nothing set\n")
+    assert load_job_config(path) == JobConfig()
+
+
+def test_override_wins_over_file_and_file_over_defaults(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("training:\n  steps: 50\n  seed: 4\noptim:\n  lr: 0.01\nscaling:\n  max_workers: 3\n")
+    job = load_job_config(path, ["training.steps=7", "optim.name=sgd"])
+    assert job.training.steps == 7  # the override
+    assert job.training.seed == 4 and job.optim.lr == 0.01 and job.scaling.max_workers == 3  # the file
+    assert job.optim.name == "sgd"  # the override, for a key the file does not set
+    assert job.training.global_batch_size == JobConfig().training.global_batch_size  # the default
+
+
+def test_later_override_wins():
+    assert load_job_config(None, ["training.steps=5", "training.steps=9"]).training.steps == 9
+
+
+# -- coercion ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("override", "read", "expected"), [
+    ("optim.lr=3e-3", lambda job: job.optim.lr, 3e-3),  # YAML 1.1 reads 3e-3 as a string
+    ("optim.lr=1", lambda job: job.optim.lr, 1.0),
+    ("optim.weight_decay=0", lambda job: job.optim.weight_decay, 0.0),
+    ("scaling.cpus_per_worker=2", lambda job: job.scaling.cpus_per_worker, 2.0),
+    ("strategy.bucket_cap_mb=1e1", lambda job: job.strategy.bucket_cap_mb, 10.0),
+])
+def test_numbers_are_coerced_to_float_for_float_fields(override, read, expected):
+    value = read(load_job_config(None, [override]))
+    assert value == expected and type(value) is float
+
+
+def test_yaml_file_ints_and_strings_are_floats(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("optim:\n  lr: 2e-4\n  momentum: 0\nfailure:\n  step_timeout_s: 5\n")
+    job = load_job_config(path)
+    assert (job.optim.lr, job.optim.momentum, job.failure.step_timeout_s) == (2e-4, 0.0, 5.0)
+    assert all(type(v) is float for v in (job.optim.lr, job.optim.momentum, job.failure.step_timeout_s))
+
+
+def test_int_fields_are_not_coerced():
+    assert "training.steps" in _error(["training.steps=1e3"])  # YAML gives the string '1e3'
+    assert "training.steps" in _error(["training.steps=10.0"])
+    assert "scaling.min_workers" in _error(["scaling.min_workers=true"])
+
+
+# -- defaults, round trip, math hash ----------------------------------------------------------------------
+
+
+def test_defaults_are_valid_and_loading_nothing_gives_them():
+    job = JobConfig()
+    assert job.training.global_batch_size >= job.scaling.max_workers >= job.scaling.min_workers >= 1
+    assert load_job_config() == job
+
+
+def test_to_dict_round_trips():
+    job = load_job_config(None, ["name=rt", "training.steps=12", "optim.name=sgd", "optim.lr=0.05",
+                                 "scaling.max_workers=3", "workload.options={hidden: 16}"])
+    assert job_config_from_dict(job.to_dict()) == job
+
+
+def _hash(*overrides: str) -> str:
+    return load_job_config(None, list(overrides)).math_hash()
+
+
+@pytest.mark.parametrize("override", ["optim.lr=3e-3", "optim.name=sgd", "training.seed=1",
+                                      "training.global_batch_size=32", "workload.name=chargpt",
+                                      "workload.options={hidden: 16}"])
+def test_math_hash_changes_with_what_decides_the_parameters(override):
+    assert _hash(override) != _hash()
+
+
+@pytest.mark.parametrize("override", ["training.steps=7", "scaling.max_workers=4", "scaling.min_workers=1",
+                                      "scaling.cpus_per_worker=0.5", "failure.max_failures=0",
+                                      "checkpoint.every_steps=5"])
+def test_math_hash_ignores_length_and_scaling(override):
+    assert _hash(override) == _hash()
+
+
+@pytest.mark.xfail(strict=True, reason="math_hash json-dumps the raw fields: weight_decay=0 and 0.0 hash "
+                   "differently, so a run built in Python with an int refuses a checkpoint written by the CLI")
+def test_math_hash_same_for_int_and_float_spelling():
+    assert JobConfig(optim=OptimConfig(weight_decay=0, lr=1)).math_hash() == \
+        JobConfig(optim=OptimConfig(weight_decay=0.0, lr=1.0)).math_hash()
+
+
+# -- workloads.resolve_workload_class ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "fragments"), [
+    pytest.param("nope.mod:Thing", ["workload.name='nope.mod:Thing'", "cannot import module 'nope.mod'",
+                                    "pkg.module:ClassName"], id="unknown-module"),
+    pytest.param("workloads.digits:Nope", ["workload.name='workloads.digits:Nope'", "has no class 'Nope'"],
+                 id="missing-class"),
+    pytest.param("workloads:BUILTIN_WORKLOADS", ["has no class 'BUILTIN_WORKLOADS'"], id="not-a-class"),
+    pytest.param("collections:OrderedDict", ["OrderedDict lacks build_model, train_dataset, loss_sum, evaluate",
+                                             "workloads/protocol.py"], id="missing-methods"),
+    pytest.param("nope", ["workload.name='nope' is not", *BUILTIN_WORKLOADS, "'pkg.module:ClassName'"],
+                 id="not-a-path"),
+    pytest.param("workloads.digits:", ["is not"], id="no-class-part"),
+    pytest.param(":Digits", ["is not"], id="no-module-part"),
+])
+def test_resolve_workload_class_errors(name, fragments):
+    with pytest.raises(ValueError) as raised:
+        resolve_workload_class(name)
+    for fragment in fragments:
+        assert fragment in str(raised.value), f"{fragment!r} not in {str(raised.value)!r}"
+
+
+@pytest.mark.parametrize("name", ["digits", "workloads.digits:Digits"])
+def test_resolve_workload_class_finds_builtin_and_path(name):
+    assert resolve_workload_class(name) is Digits

@@ -1,0 +1,167 @@
+"""Elastic training on a real local Ray (gloo): failures, stalls, scale-up, drains, driver loss.
+
+Every disturbed run ends with parameters allclose to the undisturbed run of the same job, and
+its sample ledger shows every sample of the epoch consumed exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from actors.controller import RunFailed
+from cluster.job import train
+from strategies.checkpoint import latest_checkpoint, load_checkpoint_state
+from tests.conftest import REPO_ROOT
+from tests.helpers import assert_states_close, job, load_model
+from workloads.digits import Digits
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+STEPS = 40
+BASE = (f"training.steps={STEPS}", "training.record_samples=true", "scaling.min_workers=2",
+        "scaling.max_workers=3", "failure.step_timeout_s=4")
+NUM_TRAIN_SAMPLES = len(Digits().train_dataset())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = train(job(*BASE, name="reference"), run_dir=run_dir)
+    assert {row["world_size"] for row in result.history} == {3}
+    return result, load_model(run_dir)
+
+
+def run_disturbed(tmp_path, name, *overrides, on_progress=None):
+    run_dir = tmp_path / name
+    result = train(job(*BASE, *overrides, name=name), run_dir=run_dir, on_progress=on_progress)
+    return result, load_model(run_dir)
+
+
+def event_types(result):
+    return [e["type"] for e in result.events]
+
+
+def assert_same_as_reference(result, state, reference):
+    reference_result, reference_state = reference
+    assert result.final_step == STEPS
+    assert_states_close(state, reference_state)
+    assert result.ledger == reference_result.ledger
+    stream = [i for step in range(1, STEPS + 1) for i in result.ledger[step]]
+    assert sorted(stream[:NUM_TRAIN_SAMPLES]) == list(range(NUM_TRAIN_SAMPLES))  # epoch 0: each sample once
+
+
+@pytest.mark.parametrize("action", ["kill", "ray_kill"])
+def test_worker_killed_mid_run_survivors_carry_on(tmp_path, reference, action):
+    result, state = run_disturbed(tmp_path, action, f"faults=[{{action: {action}, rank: 1, step: 15}}]")
+    assert_same_as_reference(result, state, reference)
+    types = event_types(result)
+    assert types.count("worker_failed") == 1 and "recovered" in types
+    recovered = next(e for e in result.events if e["type"] == "recovered")
+    assert recovered["world_size"] == 2 and recovered["recovery_s"] < 10
+    assert all(e["steps_lost"] == 0 for e in result.events if e["type"] == "generation_formed")
+
+
+def test_stalled_worker_is_detected_and_replaced(tmp_path, reference):
+    started = time.monotonic()
+    result, state = run_disturbed(tmp_path, "stall", "faults=[{action: stall, rank: 2, step: 10}]")
+    assert_same_as_reference(result, state, reference)
+    failed = next(e for e in result.events if e["type"] == "worker_failed")
+    assert "no answer" in failed["reason"]
+    assert time.monotonic() - started < 60
+
+
+def test_two_failures_in_quick_succession(tmp_path, reference):
+    faults = "faults=[{action: kill, rank: 1, step: 10}, {action: kill, rank: 1, step: 11}]"
+    result, state = run_disturbed(tmp_path, "twice", faults, "scaling.min_workers=1")
+    assert_same_as_reference(result, state, reference)
+    assert event_types(result).count("worker_failed") == 2
+
+
+def test_failures_beyond_max_end_the_run_with_a_loadable_checkpoint(tmp_path):
+    run_dir = tmp_path / "fatal"
+    config = job(*BASE, "failure.max_failures=0", "checkpoint.every_steps=5",
+                 "faults=[{action: kill, rank: 1, step: 13}]", name="fatal")
+    with pytest.raises(RunFailed) as raised:
+        train(config, run_dir=run_dir)
+    message = str(raised.value)
+    assert "failure.max_failures=0" in message and "raylastic:fatal:worker2" in message
+    assert "last checkpoint" in message and "step_00000010" in message
+    found = latest_checkpoint(run_dir / "checkpoints")
+    assert found.manifest.step == 10
+    state = load_checkpoint_state(found.path)
+    model = Digits().build_model()
+    model.load_state_dict(state["model"])
+    assert state["step"] == 10
+
+
+def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference):
+    # 4 logical CPUs: the blocker leaves room for exactly 2 workers of 0.5 CPU until it ends.
+    blocker = ray.remote(num_cpus=3)(_Blocker).remote()
+    ray.get(blocker.ready.remote())
+    actions = {}
+
+    def act(progress):
+        if progress["step"] >= 8 and "released" not in actions:
+            ray.kill(blocker)
+            actions["released"] = progress["step"]
+        if progress["world_size"] == 3 and progress["step"] >= 25 and "drained" not in actions:
+            controller = ray.get_actor("raylastic:scale:controller")
+            actions["drained"] = ray.get(controller.drain.remote(rank=1))
+
+    result, state = run_disturbed(tmp_path, "scale", "workload.name=tests.user_workload:SlowDigits",
+                                  "workload.options={pause_s: 0.25}", on_progress=act)
+    _, reference_state = reference
+    assert_states_close(state, reference_state)
+    sizes = [row["world_size"] for row in result.history]
+    assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2
+    types = event_types(result)
+    assert "worker_joined" in types and "worker_left" in types and "worker_failed" not in types
+    assert all(e["steps_lost"] == 0 for e in result.events if e["type"] == "generation_formed")
+
+
+def test_driver_killed_then_same_command_resumes_from_checkpoint(tmp_path, reference):
+    run_dir = tmp_path / "driver"
+    overrides = [*BASE, "checkpoint.every_steps=10", "workload.name=tests.user_workload:SlowDigits",
+                 "workload.options={pause_s: 0.05}"]
+    command = [sys.executable, "-m", "cluster", "train", "--run-dir", str(run_dir),
+               "--address", ray.get_runtime_context().gcs_address]
+    for override in ["name=driver", "training.global_batch_size=48", "scaling.cpus_per_worker=0.5", *overrides]:
+        command += ["--set", override]
+    driver = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "CI": "true"})
+    deadline = time.monotonic() + 120
+    while (latest_checkpoint(run_dir / "checkpoints") is None or
+           latest_checkpoint(run_dir / "checkpoints").manifest.step < 20) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+    _wait_until_gone("raylastic:driver:controller")
+
+    result = train(job(*overrides, name="driver"), run_dir=run_dir)
+    resumed = next(e for e in result.events if e["type"] == "resumed")
+    assert resumed["step"] >= 20
+    assert result.final_step == STEPS
+    assert_states_close(load_model(run_dir), reference[1])
+
+
+class _Blocker:
+    def ready(self) -> bool:
+        return True
+
+
+def _wait_until_gone(actor_name: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(actor_name)
+        except ValueError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{actor_name} outlived its driver")
