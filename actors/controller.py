@@ -221,7 +221,7 @@ class Controller:
             generation=self.generation, rank=rank, world_size=world_size, store_host=self.node_ip,
             store_port=self.store.port, timeout_s=self.job.failure.collective_timeout_s))
             for rank, m in enumerate(members)])
-        for member, report in zip(members, reports):
+        for member, report in zip(members, reports, strict=True):
             member.node_id = report.node_id
         source = max(range(world_size), key=lambda r: reports[r].step)
         lost = self.step - reports[source].step

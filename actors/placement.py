@@ -10,8 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ray.util.placement_group import (PlacementGroup, placement_group, placement_group_table,
-                                      remove_placement_group)
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 WAIT_INTERVAL_S = 0.05
 

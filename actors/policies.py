@@ -68,5 +68,6 @@ class FailurePolicy:
         if failures_so_far > self.max_failures:
             return Raise(f"{failures_so_far} worker failures, more than failure.max_failures="
                          f"{self.max_failures}")
-        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (failures_so_far - 1)) if self.backoff_s else 0.0
+        doublings = min(failures_so_far - 1, 32)
+        delay = min(self.max_backoff_s, self.backoff_s * 2**doublings) if self.backoff_s else 0.0
         return Recover(backoff_s=delay)

@@ -104,7 +104,7 @@ class Watcher:
         ready = set(ready)
         now = time.monotonic()
         stall_timeout = self.controller.job.failure.step_timeout_s
-        for member, ref in zip(members, refs):
+        for member, ref in zip(members, refs, strict=True):
             view = self.views[member.name]
             if ref not in ready:
                 if now - view.last_answer > stall_timeout:

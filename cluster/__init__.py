@@ -1,7 +1,15 @@
 """How a job reaches Ray: configuration, connection, the driver-side run and the CLI."""
 
-from cluster.config import (CheckpointConfig, FailureConfig, JobConfig, OptimConfig, ScalingConfig,
-                            StrategyConfig, TrainingConfig, WorkloadConfig)
+from cluster.config import (
+    CheckpointConfig,
+    FailureConfig,
+    JobConfig,
+    OptimConfig,
+    ScalingConfig,
+    StrategyConfig,
+    TrainingConfig,
+    WorkloadConfig,
+)
 from cluster.loading import load_job_config
 
 __all__ = ["CheckpointConfig", "FailureConfig", "JobConfig", "OptimConfig", "ScalingConfig", "StrategyConfig",

@@ -18,6 +18,7 @@ from actors.controller import RunFailed
 from cluster.job import train
 from cluster.loading import load_job_config
 from cluster.progress import ProgressDisplay
+from workloads import resolve_workload_class
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True, soft_wrap=True)
     try:
         job = load_job_config(args.config, args.overrides)
+        resolve_workload_class(job.workload.name)
     except ValueError as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -28,11 +29,15 @@ def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None
 
 
 def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return _non_negative_int(value) and value > 0
+
+
+def _non_negative_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +73,8 @@ class TrainingConfig:
                  self.global_batch_size)
         _require(self.micro_batch_size is None or _positive_int(self.micro_batch_size),
                  "training.micro_batch_size", "a positive integer or null", self.micro_batch_size)
-        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
-                 "training.seed", "a non-negative integer", self.seed)
+        _require(_non_negative_int(self.seed) and self.seed < 2**32, "training.seed", "an integer in [0, 2**32)",
+                 self.seed)
         _require(isinstance(self.record_samples, bool), "training.record_samples", "true or false",
                  self.record_samples)
 
@@ -151,7 +156,7 @@ class FailureConfig:
     """A worker that does not answer the Controller for this long is taken as hung and replaced."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.max_failures, int) and self.max_failures >= 0, "failure.max_failures",
+        _require(_non_negative_int(self.max_failures), "failure.max_failures",
                  "a non-negative integer", self.max_failures)
         _require(_number(self.collective_timeout_s) and self.collective_timeout_s > 0,
                  "failure.collective_timeout_s", "a positive number of seconds", self.collective_timeout_s)
@@ -175,7 +180,7 @@ class FaultConfig:
     def __post_init__(self) -> None:
         _require(self.action in FAULT_ACTIONS, "faults[].action", f"one of {', '.join(FAULT_ACTIONS)}",
                  self.action)
-        _require(isinstance(self.rank, int) and self.rank >= 0, "faults[].rank", "a non-negative integer",
+        _require(_non_negative_int(self.rank), "faults[].rank", "a non-negative integer",
                  self.rank)
         _require(_positive_int(self.step), "faults[].step", "a positive integer", self.step)
 
@@ -194,7 +199,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _require(self.path is None or (isinstance(self.path, str) and bool(self.path)), "checkpoint.path",
                  "a directory path or null", self.path)
-        _require(isinstance(self.every_steps, int) and self.every_steps >= 0, "checkpoint.every_steps",
+        _require(_non_negative_int(self.every_steps), "checkpoint.every_steps",
                  "a non-negative integer", self.every_steps)
         _require(_positive_int(self.num_to_keep), "checkpoint.num_to_keep", "a positive integer",
                  self.num_to_keep)
@@ -229,6 +234,7 @@ class JobConfig:
 
     def math_hash(self) -> str:
         """A hash of what decides the trained parameters; a checkpoint resumes only a run with the same."""
-        relevant = {"workload": asdict(self.workload), "optim": asdict(self.optim),
+        optim = {k: float(v) if _number(v) else v for k, v in asdict(self.optim).items()}  # 1 == 1.0
+        relevant = {"workload": asdict(self.workload), "optim": optim,
                     "global_batch_size": self.training.global_batch_size, "seed": self.training.seed}
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -28,7 +28,10 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | tuple
             text = Path(path).read_text()
         except OSError as error:
             raise ValueError(f"--config {path}: cannot read it ({error.strerror})") from error
-        loaded = yaml.safe_load(text)
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ValueError(f"--config {path}: not valid YAML ({error})") from error
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"--config {path}: expected a mapping of sections, got {type(loaded).__name__}")
         raw = loaded or {}
@@ -47,7 +50,10 @@ def _parse_override(override: str) -> tuple[str, Any]:
     key, sep, text = override.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"--set {override!r}: expected section.field=value, e.g. training.steps=100")
-    return key.strip(), yaml.safe_load(text) if text.strip() else None
+    try:
+        return key.strip(), yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as error:
+        raise ValueError(f"--set {override!r}: the value is not valid YAML ({error})") from error
 
 
 def _set_nested(raw: dict[str, Any], parts: list[str], value: Any) -> None:
@@ -73,7 +79,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for name, value in raw.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value or {}, prefix=f"{prefix}{name}.")
+            kwargs[name] = _build(hint, {} if value is None else value, prefix=f"{prefix}{name}.")
         elif typing.get_origin(hint) is tuple and dataclasses.is_dataclass(typing.get_args(hint)[0]):
             if not isinstance(value, (list, tuple)):
                 raise ValueError(f"{prefix}{name} must be a list, got {value!r}")
@@ -86,7 +92,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(hint: Any, value: Any) -> Any:
     """Accept what YAML gives for a number: ints for float fields, and '3e-3' strings."""
-    accepts_float = hint is float or float in typing.get_args(hint)
+    accepts_float = hint is float or (typing.get_origin(hint) is not dict and float in typing.get_args(hint))
     if accepts_float and isinstance(value, str):
         try:
             return float(value)

@@ -9,8 +9,8 @@ DDP averages gradients over the world size; the step loop scales each rank's sum
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
 import torch.distributed as dist

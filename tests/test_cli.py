@@ -67,13 +67,8 @@ BAD_CONFIGS = [
                  id="missing-config-file"),
     pytest.param(["--set", "training.steps"], ["--set 'training.steps'", "section.field=value"],
                  id="override-without-equals"),
-    # Found while writing these tests; strict: they flip to XPASS once fixed.
-    pytest.param(["--set", "training.steps=[1"], ["training.steps"], id="unparsable-value",
-                 marks=pytest.mark.xfail(strict=True, reason="yaml.YAMLError from an override is not a "
-                                         "ValueError: traceback, exit code 1")),
-    pytest.param(["--set", "training=0"], ["training", "mapping"], id="falsy-section-value",
-                 marks=pytest.mark.xfail(strict=True, reason="loading._build reads a falsy section value as "
-                                         "'all defaults' and the CLI goes on to train (here: the guard's exit)")),
+    pytest.param(["--set", "training.steps=[1"], ["training.steps"], id="unparsable-value"),
+    pytest.param(["--set", "training=0"], ["training", "mapping"], id="falsy-section-value"),
 ]
 HELP_COMMANDS = {"top": ["--help"], "train": ["train", "--help"]}
 

@@ -84,9 +84,6 @@ def test_different_seeds_and_epochs_give_different_orders():
         assert not torch.equal(permutations[i], permutations[j]), (i, j)
 
 
-@pytest.mark.xfail(strict=True, reason="GlobalSampleOrder.permutation seeds with seed * 1_000_003 + epoch: "
-                   "for seed > ~9.2e12 torch's manual_seed overflows, though training.seed accepts any "
-                   "non-negative int")
 def test_every_seed_the_config_accepts_gives_an_order():
     seed = 2**50
     try:
