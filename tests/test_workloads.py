@@ -46,7 +46,7 @@ def test_digits_split_is_deterministic_and_ignores_torch_rng():
     first = Digits().train_dataset().tensors
     torch.manual_seed(2)
     second = Digits().train_dataset().tensors
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=False))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     other_split = Digits(split_seed=1).train_dataset().tensors
     assert not torch.equal(first[0], other_split[0])
 
@@ -66,7 +66,8 @@ def test_digits_trains_to_high_accuracy():
 
 def test_chargpt_corpus_is_identical_across_instances():
     first, second = CharGPT(), CharGPT()
-    assert all(torch.equal(a, b) for a, b in zip(first.train_dataset().tensors, second.train_dataset().tensors, strict=False))
+    pairs = zip(first.train_dataset().tensors, second.train_dataset().tensors, strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
     assert torch.equal(first._eval_windows, second._eval_windows)
 
 
