@@ -245,8 +245,12 @@ class Controller:
     def _finish(self) -> RunResult:
         leader = self.members[0].actor
         metrics_ref, state_ref = leader.evaluate.remote(), leader.full_state_dict.remote()
-        path = ray.get(leader.save_checkpoint.remote(self.membership.size))
-        self.log.event("checkpointed", self.step, path=path)
+        saved = latest_checkpoint(self.checkpoint_root)
+        if saved is not None and saved.manifest.step == self.step:
+            path = str(saved.path)
+        else:
+            path = ray.get(leader.save_checkpoint.remote(self.membership.size))
+            self.log.event("checkpointed", self.step, path=path)
         history = self.log.history()
         metrics = {"loss": history[-1]["loss"] if history else float("nan"), **ray.get(metrics_ref)}
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})

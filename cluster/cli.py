@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
@@ -61,6 +62,11 @@ def _train(job, args: argparse.Namespace, console: Console) -> int:
         return 2 if isinstance(error, ValueError) else 1
     metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
     out.print(f"finished step {result.final_step}: {metrics}", highlight=False)
+    for event in result.events:
+        if event["type"] == "recovered":
+            out.print(f"recovered at step {event['step']} in {event['recovery_s']:.2f} s (from the failure's "
+                      f"detection to the next committed step), world size {event['world_size']}", highlight=False)
+    out.print(f"results: {Path(args.run_dir or Path('runs') / job.name) / 'result.json'}", highlight=False)
     return 0
 
 

@@ -59,3 +59,15 @@ def test_result_json_and_plain_model_file(tmp_path):
     model = Digits().build_model()
     model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
     assert Digits().evaluate(model)["accuracy"] == pytest.approx(result.metrics["accuracy"])
+
+
+def test_readme_main_job_survives_its_killed_worker_and_reaches_accuracy(tmp_path):
+    from cluster.loading import load_job_config
+    from tests.conftest import REPO_ROOT
+
+    config = load_job_config(REPO_ROOT / "examples" / "digits_elastic.yaml", ["scaling.cpus_per_worker=0.5"])
+    result = train(config, run_dir=tmp_path / "readme")
+    assert result.final_step == config.training.steps
+    assert result.metrics["accuracy"] >= 0.90
+    types = [e["type"] for e in result.events]
+    assert types.count("worker_failed") == 1 and "recovered" in types
