@@ -1,0 +1,67 @@
+"""``raylastic train``: run one job with live progress; exit 0 done, 1 run failed, 2 bad config."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "train", help="run a training job", description="Run a training job to its last step and write "
+        "<run dir>/result.json and model.pt. Config keys are listed in the README (section 'Configuration').")
+    add_job_arguments(parser)
+    parser.add_argument("--address", help="Ray cluster to use ('auto' after `ray start --head`); "
+                        "default: start a local instance for this run")
+    parser.add_argument("--run-dir", help="where result.json, model.pt and checkpoints go (default: runs/<name>)")
+    parser.set_defaults(run=run)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="job.yaml", help="YAML file with the job's sections")
+    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                        help="override one key, e.g. --set training.steps=100 (repeatable)")
+
+
+def load_job_or_report(args: argparse.Namespace, console: Console):
+    """The validated JobConfig, or None after printing the error (no traceback)."""
+    from cluster.loading import load_job_config
+    from workloads import resolve_workload_class
+
+    try:
+        job = load_job_config(args.config, args.overrides)
+        resolve_workload_class(job.workload.name)
+        return job
+    except ValueError as error:
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    errors = Console(stderr=True, soft_wrap=True)
+    job = load_job_or_report(args, errors)
+    if job is None:
+        return 2
+    from actors.controller import RunFailed
+    from cluster.job import train
+    from cluster.progress import ProgressDisplay
+
+    out = Console(soft_wrap=True)
+    out.print(f"raylastic: training {job.workload.name} for {job.training.steps} steps on "
+              f"{job.scaling.min_workers}-{job.scaling.max_workers} workers (run {job.name})", highlight=False)
+    try:
+        with ProgressDisplay(job.training.steps, console=out) as display:
+            result = train(job, run_dir=args.run_dir, address=args.address, on_progress=display.update)
+    except (ValueError, RunFailed) as error:
+        errors.print(f"[bold red]error:[/] {error}", highlight=False)
+        return 2 if isinstance(error, ValueError) else 1
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
+    out.print(f"finished step {result.final_step}: {metrics}", highlight=False)
+    for event in result.events:
+        if event["type"] == "recovered":
+            out.print(f"recovered at step {event['step']} in {event['recovery_s']:.2f} s (from the failure's "
+                      f"detection to the next committed step), world size {event['world_size']}", highlight=False)
+    out.print(f"results: {Path(args.run_dir or Path('runs') / job.name) / 'result.json'}", highlight=False)
+    return 0
