@@ -23,7 +23,7 @@ import ray
 
 from actors.events import RunLog
 from actors.membership import Member, Membership
-from actors.placement import SlotShape, WorkerSlots
+from actors.placement import ReservedSlots, SlotShape, WorkerSlots
 from actors.policies import FailurePolicy, Raise, Resize, ScalingPolicy, ScalingState
 from actors.watch import Finished, Interrupted, Watcher, WorkersFailed
 from actors.worker import WorkerSpec
@@ -46,12 +46,20 @@ class RunResult:
     ledger: dict[int, list[int]] | None = None
 
 
+@dataclass(frozen=True)
+class ReservedBundles:
+    """Bundles of a placement group reserved for this run's workers (e.g. by a Ray Tune trial)."""
+
+    placement_group: Any
+    bundle_indices: tuple[int, ...]
+
+
 class RunFailed(RuntimeError):
     """The run ended with an error; the message says what failed and where the last checkpoint is."""
 
 
 class Controller:
-    def __init__(self, job: JobConfig, checkpoint_root: str) -> None:
+    def __init__(self, job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None = None) -> None:
         self.job = job
         self.log = RunLog()
         self.checkpoint_root = checkpoint_root
@@ -66,7 +74,9 @@ class Controller:
                           checkpointer=self.checkpointer)
         shape = SlotShape(cpus=scaling.cpus_per_worker, gpus=int(scaling.use_gpu),
                           custom=dict(scaling.resources_per_worker))
-        self.membership = Membership(run_name=job.name, spec=spec, slots=WorkerSlots(shape, job.name),
+        slots = (ReservedSlots(reserved.placement_group, list(reserved.bundle_indices), shape) if reserved
+                 else WorkerSlots(shape, job.name))
+        self.membership = Membership(run_name=job.name, spec=spec, slots=slots,
                                      cpus=shape.cpus, gpus=shape.gpus, resources=shape.custom)
         self.node_ip = ray.util.get_node_ip_address()
         self.store = host_store(self.node_ip)

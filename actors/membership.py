@@ -12,9 +12,8 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.placement import WorkerSlots
+from actors.placement import ReservedSlots, WorkerSlots
 from actors.worker import TrainWorkerActor, WorkerSpec
 
 
@@ -29,7 +28,7 @@ class Member:
 
 
 class Membership:
-    def __init__(self, *, run_name: str, spec: WorkerSpec, slots: WorkerSlots, cpus: float, gpus: int,
+    def __init__(self, *, run_name: str, spec: WorkerSpec, slots: WorkerSlots | ReservedSlots, cpus: float, gpus: int,
                  resources: dict[str, float]) -> None:
         self.run_name = run_name
         self.spec = spec
@@ -51,7 +50,7 @@ class Membership:
             self._spawned += 1
             name = f"raylastic:{self.run_name}:worker{self._spawned}"
             actor = TrainWorkerActor.options(
-                name=name, scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=slot),
+                name=name, scheduling_strategy=self.slots.scheduling(slot),
                 **self._actor_options).remote(self.spec)
             started.append(Member(actor=actor, slot=slot, name=name, ready=actor.pid.remote()))
         return started

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 WAIT_INTERVAL_S = 0.05
 
@@ -61,6 +62,46 @@ class WorkerSlots:
             remove_placement_group(slot)
         self._pending = []
 
+    def scheduling(self, slot: PlacementGroup) -> PlacementGroupSchedulingStrategy:
+        """How an actor is placed in ``slot``."""
+        return PlacementGroupSchedulingStrategy(placement_group=slot)
+
     def _ready(self) -> list[PlacementGroup]:
         # A state query to the GCS; pg.ready() would schedule a task per call.
         return [pg for pg in self._pending if placement_group_table(pg)["state"] == "CREATED"]
+
+
+class ReservedSlots:
+    """Slots from bundles someone else reserved, e.g. a Ray Tune trial's placement group.
+
+    Same interface as WorkerSlots; a slot is a bundle index. Capacity is fixed: a released
+    bundle is free again for a replacement, and nothing is asked of Ray's scheduler.
+    """
+
+    def __init__(self, group: PlacementGroup, bundle_indices: list[int], shape: SlotShape) -> None:
+        self.group = group
+        self.shape = shape
+        self._free = list(bundle_indices)
+        self._wanted = 0
+
+    def request(self, count: int) -> None:
+        self._wanted += count
+
+    def take_ready(self, at_most: int, *, at_least: int = 0, timeout_s: float = 0.0) -> list[int]:
+        count = min(at_most, self._wanted, len(self._free))
+        taken, self._free = self._free[:count], self._free[count:]
+        self._wanted -= count
+        return taken
+
+    def count_ready(self) -> int:
+        return min(self._wanted, len(self._free))
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def release_pending(self) -> None:
+        self._wanted = 0
+
+    def scheduling(self, slot: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=slot,
+                                                placement_group_capture_child_tasks=False)

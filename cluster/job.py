@@ -22,7 +22,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.controller import ControllerActor, RunFailed, RunResult, default_checkpoint_root
+from actors.controller import ControllerActor, ReservedBundles, RunFailed, RunResult, default_checkpoint_root
 from cluster.config import JobConfig
 from cluster.connect import ray_session
 from workloads import resolve_workload_class
@@ -32,14 +32,18 @@ PROGRESS_INTERVAL_S = 0.25
 
 
 def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | None = None,
-          on_progress: ProgressCallback | None = None) -> RunResult:
-    """Train ``job`` to its last step; raises RunFailed (and still writes result.json) if it cannot."""
+          on_progress: ProgressCallback | None = None, reserved: ReservedBundles | None = None) -> RunResult:
+    """Train ``job`` to its last step; raises RunFailed (and still writes result.json) if it cannot.
+
+    ``reserved``: place the workers in these already reserved placement-group bundles (a Ray
+    Tune trial does this) instead of asking Ray for placement groups of their own.
+    """
     resolve_workload_class(job.workload.name)  # a bad import path fails here, before any actor starts
     run_dir = Path(run_dir or Path("runs") / job.name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_root = job.checkpoint.path or default_checkpoint_root(run_dir)
     with ray_session(address, min_cpus=job.scaling.max_workers * job.scaling.cpus_per_worker):
-        controller = _start_controller(job, checkpoint_root)
+        controller = _start_controller(job, checkpoint_root, reserved)
         try:
             result = _follow(controller, on_progress or (lambda _: None))
         except RunFailed as error:
@@ -53,7 +57,7 @@ def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | N
     return result
 
 
-def _start_controller(job: JobConfig, checkpoint_root: str) -> Any:
+def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None) -> Any:
     name = f"raylastic:{job.name}:controller"
     try:
         ray.get_actor(name)
@@ -62,7 +66,8 @@ def _start_controller(job: JobConfig, checkpoint_root: str) -> Any:
     else:
         raise RunFailed(f"a run named {job.name!r} is already running on this cluster (actor {name}); "
                         "choose another name")
-    return ControllerActor.options(name=name).remote(job, checkpoint_root)
+    # The Controller itself is never placed in a trial's bundles: it takes no resources.
+    return ControllerActor.options(name=name, scheduling_strategy="DEFAULT").remote(job, checkpoint_root, reserved)
 
 
 def _follow(controller: Any, on_progress: ProgressCallback) -> RunResult:
