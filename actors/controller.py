@@ -25,10 +25,12 @@ from actors.events import RunLog
 from actors.membership import Member, Membership
 from actors.placement import ReservedSlots, SlotShape, WorkerSlots
 from actors.policies import FailurePolicy, Raise, Resize, ScalingPolicy, ScalingState
+from actors.run_metrics import RunMetrics
 from actors.watch import Finished, Interrupted, Watcher, WorkersFailed
 from actors.worker import WorkerSpec
 from cluster.config import FaultConfig, JobConfig
-from strategies.checkpoint import Checkpointer, latest_checkpoint
+from strategies import build_strategy
+from strategies.checkpoint import Checkpoint, Checkpointer, latest_checkpoint, newest_loadable, read_manifest
 from strategies.process_group import GroupAssignment, host_store
 
 START_GRACE_S = 1.0
@@ -43,6 +45,8 @@ class RunResult:
     events: list[dict[str, Any]]
     model_state: dict[str, Any]
     checkpoint: str | None
+    memory: list[dict[str, int]] | None = None
+    """Per rank: bytes of parameters, gradients and optimizer state held at the end of the run."""
     ledger: dict[int, list[int]] | None = None
 
 
@@ -62,13 +66,16 @@ class Controller:
     def __init__(self, job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None = None) -> None:
         self.job = job
         self.log = RunLog()
+        self.metrics = RunMetrics(job.name)
         self.checkpoint_root = checkpoint_root
         scaling = job.scaling
         self.scaling_policy = ScalingPolicy(min_workers=scaling.min_workers, max_workers=scaling.max_workers)
         self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
         self.checkpointer = Checkpointer(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
                                          num_to_keep=job.checkpoint.num_to_keep, config_hash=job.math_hash(),
-                                         global_batch_size=job.training.global_batch_size)
+                                         global_batch_size=job.training.global_batch_size,
+                                         async_save=job.checkpoint.async_save)
+        self.replicated = build_strategy(job.strategy).replicated
         spec = WorkerSpec(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
                           use_gpu=scaling.use_gpu, torch_threads=max(1, int(scaling.cpus_per_worker)),
                           checkpointer=self.checkpointer)
@@ -86,6 +93,8 @@ class Controller:
         self.stopping = False
         self.pending_faults: list[FaultConfig] = list(job.faults)
         self.recovering_since: float | None = None
+        self.restore_from: Checkpoint | None = None
+        """The checkpoint the next generation loads (resume; sharded state after a failure or resize)."""
 
     @property
     def members(self) -> list[Member]:
@@ -164,7 +173,11 @@ class Controller:
         return bool(self.membership.draining or self.membership.ready_joiners())
 
     def _change_membership(self) -> None:
-        """At a step boundary: drained workers leave, ready joiners come in."""
+        """At a step boundary: drained workers leave, ready joiners come in. Sharded state is saved
+        by the old group first and loaded, resharded, by the new one: nothing is discarded."""
+        if not self.replicated:
+            path = ray.get([m.actor.save_checkpoint.remote() for m in self.members])[0]
+            self.restore_from = Checkpoint(path, read_manifest(path))
         for member in self.membership.remove_drained():
             self.log.event("worker_left", self.step, worker=member.name, reason="drained")
         self._admit_ready_joiners()
@@ -182,10 +195,13 @@ class Controller:
             self.membership.drop(member)
             self.log.event("worker_failed", self.step, worker=member.name, reason=reason)
         self.failures += len(outcome.failed)
+        self.metrics.failed(len(outcome.failed))
         self.pending_faults = [f for f in self.pending_faults if f.step > self.step + 1]
         decision = self.failure_policy.decide(self.failures)
         if isinstance(decision, Raise):
             raise RunFailed(f"{decision.reason}; last failure: {outcome.describe()}{self._checkpoint_note()}")
+        if not self.replicated:  # the failed workers' shards are gone: the group restarts from a checkpoint
+            self.restore_from = self._newest_checkpoint()
         time.sleep(decision.backoff_s)
         missing = self.job.scaling.min_workers - self.membership.size
         if missing > 0:
@@ -200,14 +216,22 @@ class Controller:
 
     # -- generations ----------------------------------------------------------------------------------------
     def _resume_from_checkpoint(self) -> None:
-        found = latest_checkpoint(self.checkpoint_root) if self.job.checkpoint.resume == "auto" else None
+        found = self._newest_checkpoint() if self.job.checkpoint.resume == "auto" else None
         if found is None:
             return
         if found.manifest.config_hash != self.job.math_hash():
             raise RunFailed(f"checkpoint {found.path} was written by a job with another workload, optimizer, global "
                             "batch or seed; use another --run-dir or set checkpoint.resume=never")
-        self.step = ray.get(self.members[0].actor.load_checkpoint.remote(str(found.path)))
-        self.log.event("resumed", self.step, path=str(found.path))
+        self.restore_from = found
+        self.log.event("resumed", found.manifest.step, path=found.path, saved_world_size=found.manifest.world_size,
+                       saved_strategy=found.manifest.strategy)
+
+    def _newest_checkpoint(self) -> Checkpoint | None:
+        """The newest intact checkpoint; newer ones that fail verification are reported and skipped."""
+        found, rejected = newest_loadable(self.checkpoint_root)
+        for bad in rejected:
+            self.log.event("checkpoint_rejected", self.step, path=bad.path, reason=bad.reason)
+        return found
 
     def _form_generation(self) -> None:
         """Every member joins generation g+1; the most advanced one's state is handed to all.
@@ -233,13 +257,24 @@ class Controller:
             for rank, m in enumerate(members)])
         for member, report in zip(members, reports, strict=True):
             member.node_id = report.node_id
-        source = max(range(world_size), key=lambda r: reports[r].step)
-        lost = self.step - reports[source].step
-        self.step = reports[source].step
-        ray.get([m.actor.sync_state.remote(source) for m in members])
+        before = self.step
+        if self.restore_from is not None or (not self.replicated and self.generation > 0):
+            source = "checkpoint"
+            self.step = self._restore(members)
+        else:
+            source = max(range(world_size), key=lambda r: reports[r].step)
+            self.step = reports[source].step
+            ray.get([m.actor.sync_state.remote(source) for m in members])
         self.log.event("generation_formed", self.step, generation=self.generation, world_size=world_size,
-                       state_source_rank=source, ranks_updated=sum(r.step != self.step for r in reports),
-                       steps_lost=lost, duration_s=round(time.time() - started, 4))
+                       state_source=source, steps_lost=max(0, before - self.step),
+                       duration_s=round(time.time() - started, 4))
+
+    def _restore(self, members: list[Member]) -> int:
+        """Every member loads ``restore_from`` resharded to the new group (no checkpoint: step 0, afresh)."""
+        found, self.restore_from = self.restore_from, None
+        path, step = (found.path, found.manifest.step) if found else (None, 0)
+        ray.get([m.actor.restore.remote(path, step) for m in members])
+        return step
 
     def faults_for(self, rank: int) -> tuple[FaultConfig, ...]:
         return tuple(f for f in self.pending_faults if f.rank == rank and f.action != "ray_kill")
@@ -250,22 +285,21 @@ class Controller:
             self.log.event("recovered", self.step, world_size=self.membership.size,
                            recovery_s=round(finished_at - self.recovering_since, 3))
             self.recovering_since = None
+            self.metrics.recovered()
 
     # -- the end --------------------------------------------------------------------------------------------
     def _finish(self) -> RunResult:
-        leader = self.members[0].actor
-        metrics_ref, state_ref = leader.evaluate.remote(), leader.full_state_dict.remote()
-        saved = latest_checkpoint(self.checkpoint_root)
-        if saved is not None and saved.manifest.step == self.step:
-            path = str(saved.path)
-        else:
-            path = ray.get(leader.save_checkpoint.remote(self.membership.size))
-            self.log.event("checkpointed", self.step, path=path)
+        """Evaluate, gather the full model and write the final checkpoint (collective on every member)."""
+        actors = [m.actor for m in self.members]
+        metrics = ray.get([a.evaluate.remote() for a in actors])[0]
+        model_state = ray.get([a.full_state_dict.remote() for a in actors])[0]
+        memory = ray.get([a.memory.remote() for a in actors])
+        path = ray.get([a.save_checkpoint.remote() for a in actors])[0]
         history = self.log.history()
-        metrics = {"loss": history[-1]["loss"] if history else float("nan"), **ray.get(metrics_ref)}
+        metrics = {"loss": history[-1]["loss"] if history else float("nan"), **metrics}
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})
         return RunResult(final_step=self.step, metrics=metrics, history=history, events=self.log.events(),
-                         model_state=ray.get(state_ref), checkpoint=path,
+                         model_state=model_state, checkpoint=path, memory=memory,
                          ledger=self.log.ledger() if self.job.training.record_samples else None)
 
     def _checkpoint_note(self) -> str:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from actors.data_order import GlobalSampleOrder, micro_batches
-from strategies.ddp import DDPStrategy
+from strategies.base import Strategy, TrainState
 from workloads.protocol import Workload
 
 
@@ -54,13 +54,12 @@ class StepRunner:
     workload: Workload
     dataset: Dataset
     order: GlobalSampleOrder
-    strategy: DDPStrategy
-    optimizer: torch.optim.Optimizer
+    strategy: Strategy
     micro_batch_size: int | None
     device: torch.device
     record_samples: bool = False
 
-    def run(self, wrapped: torch.nn.Module, step_index: int, *, stop_vote: bool) -> StepResult:
+    def run(self, state: TrainState, step_index: int, *, stop_vote: bool) -> StepResult:
         """Train on step ``step_index`` (0-based) and commit it; collectives fail if a peer is lost."""
         started = time.perf_counter()
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -68,12 +67,12 @@ class StepRunner:
         scale = world_size / self.order.global_batch_size
         chunks = micro_batches(indices, self.micro_batch_size)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        self.optimizer.zero_grad(set_to_none=True)
+        state.optimizer.zero_grad(set_to_none=True)
         for position, chunk in enumerate(chunks):
             inputs, targets = gather_batch(self.dataset, chunk, self.device)
             last = position == len(chunks) - 1
-            with contextlib.nullcontext() if last else self.strategy.no_sync(wrapped):
-                loss = self.workload.loss_sum(wrapped(inputs), targets)
+            with contextlib.nullcontext() if last else self.strategy.no_sync(state):
+                loss = self.workload.loss_sum(state.wrapped(inputs), targets)
                 (loss * scale).backward()
             loss_sum += loss.detach().double().cpu()  # a device sync point, once per micro-batch
         reduced = torch.stack([loss_sum, torch.tensor(float(len(indices)), dtype=torch.float64),
@@ -81,7 +80,7 @@ class StepRunner:
         consumed = self._gather_sample_ids(indices, world_size) if self.record_samples else None
         reduced = reduced.to(self.device)
         dist.all_reduce(reduced)  # a peer lost during this step fails here or earlier: step discarded
-        self.optimizer.step()
+        state.optimizer.step()
         loss_total, samples, stop_votes = reduced.tolist()
         return StepResult(step=step_index + 1, loss=loss_total / samples, samples=int(samples),
                           duration_s=time.perf_counter() - started, stop_requested=stop_votes > 0,

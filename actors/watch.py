@@ -132,6 +132,9 @@ class Watcher:
             if result.step > controller.step:
                 controller.step = result.step
                 controller.on_step_committed(result.finished_at)
+                controller.metrics.step_committed(step=result.step, loss=result.loss,
+                                                  samples_per_s=result.samples / result.duration_s,
+                                                  world_size=len(controller.members))
         for event in status.events:
             log.event(event.pop("type"), event.pop("step"), **event)
 

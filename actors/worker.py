@@ -1,15 +1,17 @@
 """TrainWorker: one Ray actor per GPU or CPU slot, training in a thread of its own.
 
-The actor keeps its model and optimizer across generations: the Controller tells it to join
-generation g (a new process group), to hand over or receive state, and to train up to a step.
-Training runs in a thread so the actor keeps answering ``poll`` while it trains.
+The actor outlives process-group generations: the Controller tells it to join generation g,
+to hand over or receive state (in memory for replicated strategies, from a checkpoint for
+sharded ones), and to train up to a step. Training runs in a thread so the actor keeps
+answering ``poll`` while it trains.
 
-Lifecycle (each call from the Controller)::
+Lifecycle (each call from the Controller, on every member together)::
 
-    worker.join(assignment)            -> JoinReport(step=committed steps)
-    worker.sync_state(source_rank)     every rank, together
-    worker.train(until_step)           starts the loop thread; returns at once
-    worker.poll()                      -> WorkerStatus(phase, step, new StepResults, error)
+    worker.join(assignment)            -> JoinReport(step=committed steps, ...)
+    worker.sync_state(source_rank)     replicated state: the most advanced rank's goes to all
+    worker.restore(path | None)        sharded state: from a checkpoint (None: a fresh start)
+    worker.train(until_step, faults)   starts the loop thread; returns at once
+    worker.poll()                      -> WorkerStatus(phase, step, new StepResults, events, error)
 """
 
 from __future__ import annotations
@@ -19,18 +21,21 @@ import os
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
 import ray
 import torch
+import torch.distributed as dist
 
 from actors.data_order import GlobalSampleOrder
 from actors.faults import fire
 from actors.step_loop import StepResult, StepRunner
 from cluster.config import FaultConfig, OptimConfig, StrategyConfig, TrainingConfig, WorkloadConfig
 from strategies import build_strategy
-from strategies.checkpoint import Checkpointer, load_checkpoint_state
+from strategies.base import TrainState, init_optimizer_state, memory_breakdown
+from strategies.checkpoint import Checkpointer, load_into
 from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group, leave_group
 from strategies.state_transfer import broadcast_training_state
 from workloads import load_workload
@@ -67,32 +72,34 @@ class WorkerStatus:
     error: str | None = None
 
 
-def build_optimizer(config: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if config.name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                           weight_decay=config.weight_decay)
+def optimizer_factory(config: OptimConfig):
+    def build(parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if config.name == "adamw":
+            return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+
+    return build
 
 
 class TrainWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         torch.set_num_threads(spec.torch_threads)
-        torch.manual_seed(spec.training.seed)
         self.spec = spec
         self.device = choose_device(spec.use_gpu)
         self.backend = choose_backend(spec.use_gpu)
         self.workload = load_workload(spec.workload.name, spec.workload.options)
-        self.model = self.workload.build_model().to(self.device)
-        self.optimizer = build_optimizer(spec.optim, self.model)
+        self.strategy = build_strategy(spec.strategy)
+        self.build_optimizer = optimizer_factory(spec.optim)
         dataset = self.workload.train_dataset()
         self.runner = StepRunner(
-            workload=self.workload, dataset=dataset,
+            workload=self.workload, dataset=dataset, strategy=self.strategy,
             order=GlobalSampleOrder(len(dataset), spec.training.global_batch_size, spec.training.seed),
-            strategy=build_strategy(spec.strategy), optimizer=self.optimizer,
             micro_batch_size=spec.training.micro_batch_size, device=self.device,
             record_samples=spec.training.record_samples)
-        self.wrapped: torch.nn.Module = self.model
+        self.state: TrainState | None = None
         self.step = 0
+        self.checkpoint_group: dist.ProcessGroup | None = None
+        self._pending_save: Future | None = None
         self._lock = threading.Lock()
         self._phase: Phase = "idle"
         self._results: list[StepResult] = []
@@ -105,28 +112,38 @@ class TrainWorker:
         return os.getpid()
 
     def join(self, assignment: GroupAssignment) -> JoinReport:
-        """Leave the old group and join generation ``assignment.generation``; keeps model and optimizer."""
+        """Leave the old group and join generation ``assignment.generation``. A replicated strategy
+        keeps its model and optimizer; a sharded one builds them afresh for the new group."""
         self._wait_for_loop()
-        self.wrapped = self.model
-        gc.collect()  # the old DDP's reducer (and its autograd hooks on our parameters) must be gone
+        self._wait_for_save()
+        previous = self.state if self.strategy.replicated else None
+        self.state = None
+        gc.collect()  # the old DDP's reducer and its autograd hooks on our parameters must be gone
         join_group(assignment, self.backend)
-        self.wrapped = self.runner.strategy.wrap(self.model, self.device)
+        self.checkpoint_group = dist.new_group(backend="gloo")  # async saves must not share the training group
+        if previous is None:
+            torch.manual_seed(self.spec.training.seed)  # identical initialisation on every rank
+        self.state = self.strategy.setup(self._build_model, self.build_optimizer, self.device, previous)
+        if previous is None and not self.strategy.replicated:
+            self.step = 0
         self._phase, self._error = "idle", None
         self._stop_vote.clear()
         return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.step)
 
     def sync_state(self, source_rank: int) -> int:
-        """Receive (or send, on ``source_rank``) the model, optimizer and step; returns the step."""
-        self.step = broadcast_training_state(self.model, self.optimizer, self.step,
+        """Replicated strategies: receive (or send, on ``source_rank``) model, optimizer and step."""
+        self.step = broadcast_training_state(self.state.model, self.state.optimizer, self.step,
                                              source_rank=source_rank, device=self.device)
         return self.step
 
-    def load_checkpoint(self, path: str) -> int:
-        """Load a checkpoint's full state into this worker (then hand it over with ``sync_state``)."""
-        state = load_checkpoint_state(path)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step = int(state["step"])
+    def restore(self, path: str | None, step: int) -> int:
+        """Collective: load checkpoint ``path`` (saved at ``step``) resharded to this group."""
+        if path is not None:
+            init_optimizer_state(self.state.optimizer)
+            flat = self.strategy.state_dict(self.state)
+            load_into(flat, path, group=self.checkpoint_group)
+            self.strategy.load_state_dict(self.state, flat)
+        self.step = step
         return self.step
 
     def train(self, until_step: int, faults: tuple[FaultConfig, ...] = ()) -> None:
@@ -151,25 +168,55 @@ class TrainWorker:
             events, self._events = self._events, []
             return WorkerStatus(self._phase, self.step, results, events, self._error)
 
+    def save_checkpoint(self) -> str:
+        """Collective: write this step's checkpoint now and wait until it is complete."""
+        self._wait_for_save()
+        return self._start_save().result()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's full state on CPU (a plain state dict that loads without this project)."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-
-    def training_state(self) -> dict:
-        """Model, optimizer and step, on CPU, for a checkpoint."""
-        return {"model": self.full_state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step}
-
-    def save_checkpoint(self, world_size: int) -> str:
-        """Write the full state as the checkpoint of the current step (rank 0 calls this)."""
-        return str(self.spec.checkpointer.save(self.step, world_size, self.training_state))
+        """Collective for sharded strategies: the model's full state on CPU, as a plain state dict."""
+        full = {}
+        for name, tensor in self.state.model.state_dict().items():
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            full[name] = tensor.detach().cpu().clone()
+        return full
 
     def evaluate(self) -> dict[str, float]:
-        return self.workload.evaluate(self.model)
+        """Collective for sharded strategies (every rank runs the forward passes)."""
+        return self.workload.evaluate(self.state.model)
 
-    def shutdown(self) -> None:
-        self._stop_vote.set()
-        self._wait_for_loop()
-        leave_group()
+    def memory(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds."""
+        return memory_breakdown(self.state)
+
+    def _build_model(self) -> torch.nn.Module:
+        return self.workload.build_model().to(self.device)
+
+    def _start_save(self) -> Future:
+        started = time.perf_counter()
+        future = self.spec.checkpointer.save(
+            self.step, self.strategy.state_dict(self.state), strategy=self.strategy.name,
+            world_size=dist.get_world_size(), group=self.checkpoint_group)
+        step = self.step
+
+        def record(done: Future) -> None:
+            if done.exception() is None and dist.get_rank() == 0:
+                with self._lock:
+                    self._events.append({"type": "checkpointed", "step": step, "path": done.result(),
+                                         "duration_s": round(time.perf_counter() - started, 4)})
+
+        future.add_done_callback(record)
+        self._pending_save = future
+        return future
+
+    def _wait_for_save(self) -> None:
+        """Let an async save in flight finish (or fail: its directory then has no manifest)."""
+        if self._pending_save is not None:
+            try:
+                self._pending_save.result()
+            except Exception:  # noqa: BLE001 - an incomplete checkpoint is never loaded
+                pass
+            self._pending_save = None
 
     def _loop(self, until_step: int, faults: tuple[FaultConfig, ...]) -> None:
         try:
@@ -177,16 +224,13 @@ class TrainWorker:
                 for fault in faults:
                     if fault.step == self.step + 1:
                         fire(fault)
-                result = self.runner.run(self.wrapped, self.step, stop_vote=self._stop_vote.is_set())
+                result = self.runner.run(self.state, self.step, stop_vote=self._stop_vote.is_set())
                 with self._lock:
                     self.step = result.step
                     self._results.append(result)
-                if self.spec.checkpointer.due(self.step) and torch.distributed.get_rank() == 0:
-                    started = time.perf_counter()
-                    path = self.save_checkpoint(torch.distributed.get_world_size())
-                    with self._lock:
-                        self._events.append({"type": "checkpointed", "step": self.step, "path": path,
-                                             "duration_s": round(time.perf_counter() - started, 4)})
+                if self.spec.checkpointer.due(self.step):
+                    self._wait_for_save()
+                    self._start_save()
                 if result.stop_requested:
                     self._phase = "stopped"
                     return
@@ -199,6 +243,12 @@ class TrainWorker:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def shutdown(self) -> None:
+        self._stop_vote.set()
+        self._wait_for_loop()
+        self._wait_for_save()
+        leave_group()
 
 
 TrainWorkerActor = ray.remote(TrainWorker)

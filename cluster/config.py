@@ -18,7 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 OPTIMIZERS = ("adamw", "sgd")
 FAULT_ACTIONS = ("kill", "ray_kill", "stall", "raise", "remove_node")
 
@@ -101,15 +101,22 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class StrategyConfig:
-    name: Literal["ddp"] = "ddp"
-    """How gradients and state move between workers."""
+    name: Literal["ddp", "zero1", "zero2", "zero3"] = "ddp"
+    """ddp: replicated state; zero1: optimizer state sharded; zero2: + gradients (FSDP2, parameters
+    kept gathered from forward to backward); zero3: + parameters (FSDP2, resharded after forward)."""
     bucket_cap_mb: float = 25.0
-    """DDP gradient bucket size in MiB (DDP's first bucket is 1 MiB whatever this says)."""
+    """DDP gradient bucket size in MiB, for ddp and zero1 (DDP's first bucket is 1 MiB whatever this says)."""
+    offload: bool = False
+    """zero2/zero3: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
+    CPUOffloadPolicy); meaningful on GPUs only."""
 
     def __post_init__(self) -> None:
         _require(self.name in STRATEGIES, "strategy.name", f"one of {', '.join(STRATEGIES)}", self.name)
         _require(_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "strategy.bucket_cap_mb",
                  "a positive number of MiB", self.bucket_cap_mb)
+        _require(isinstance(self.offload, bool), "strategy.offload", "true or false", self.offload)
+        if self.offload and self.name not in ("zero2", "zero3"):
+            raise ValueError(f"strategy.offload needs strategy.name zero2 or zero3, got {self.name!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,13 +195,15 @@ class FaultConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     path: str | None = None
-    """Directory for checkpoints; None: <run dir>/checkpoints."""
+    """Directory or fsspec URL for checkpoints; None: <run dir>/checkpoints."""
     every_steps: int = 0
     """Save every this many steps (0: only at the end of the run)."""
     num_to_keep: int = 2
     """Complete checkpoints kept; older ones are removed after a newer one is complete."""
     resume: Literal["auto", "never"] = "auto"
     """"auto": continue from the newest complete checkpoint of this run if there is one."""
+    async_save: bool = False
+    """Write checkpoints in the background while the next steps train (a side process group)."""
 
     def __post_init__(self) -> None:
         _require(self.path is None or (isinstance(self.path, str) and bool(self.path)), "checkpoint.path",
@@ -204,6 +213,7 @@ class CheckpointConfig:
         _require(_positive_int(self.num_to_keep), "checkpoint.num_to_keep", "a positive integer",
                  self.num_to_keep)
         _require(self.resume in ("auto", "never"), "checkpoint.resume", "one of auto, never", self.resume)
+        _require(isinstance(self.async_save, bool), "checkpoint.async_save", "true or false", self.async_save)
 
 
 @dataclass(frozen=True, kw_only=True)

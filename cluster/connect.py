@@ -1,7 +1,14 @@
 """Connect to Ray: a running cluster by address, or a local instance this process starts and stops.
 
 Laptop mode: ``ray start --head`` then ``--address auto``; or no address at all, and a local
-instance is started for the run (dashboard on 127.0.0.1 only) and shut down after it.
+instance is started for the run (no dashboard, so no job server either) and shut down after it.
+
+Token authentication (Ray 2.60 turns it on for ``ray start --head`` and local ``ray.init``): Ray
+sends the local token (``~/.ray/auth_token``) only to a cluster it finds itself, i.e. ``auto``
+with no ``RAY_ADDRESS`` set. An explicit address of *this* machine - or ``RAY_ADDRESS``, which
+``ray job submit`` sets for the job's driver - would then fail after ~20 s with "Authentication
+token is missing". For such local addresses we enable token auth too; a remote cluster still
+needs ``RAY_AUTH_MODE=token`` and its token, and the error says so.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 
 import ray
@@ -18,7 +26,8 @@ NAMESPACE = "raylastic"
 
 @contextlib.contextmanager
 def ray_session(address: str | None = None, *, min_cpus: float = 0.0) -> Iterator[None]:
-    """Use the Ray this process is already connected to, or connect/start one for the block.
+    """Use the Ray this process is already connected to, or the cluster at ``address`` (default:
+    ``RAY_ADDRESS``), or else start a local instance for the block.
 
     A local instance gets ``max(os.cpu_count(), min_cpus)`` logical CPUs, so a job asking for
     more workers than there are cores still places them (they then share the cores).
@@ -26,13 +35,14 @@ def ray_session(address: str | None = None, *, min_cpus: float = 0.0) -> Iterato
     if ray.is_initialized():
         yield
         return
+    address = address or os.environ.get("RAY_ADDRESS")  # as ray.init does; a job's driver has it set
     # Workers import user workloads ("mypkg.model:Name") from where the user ran the command.
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
         p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}}
     options = dict(namespace=NAMESPACE, runtime_env=runtime_env, log_to_driver=True,
                    logging_level=logging.WARNING, configure_logging=True)
     if address:
-        ray.init(address=address, **options)
+        _connect(address, options)
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False,
                  dashboard_host="127.0.0.1", **options)
@@ -40,3 +50,49 @@ def ray_session(address: str | None = None, *, min_cpus: float = 0.0) -> Iterato
         yield
     finally:
         ray.shutdown()
+
+
+AUTH_HINT = ("if the cluster uses token authentication (Ray 2.60's `ray start --head` turns it on), set "
+             "RAY_AUTH_MODE=token and give this machine the cluster's token (~/.ray/auth_token, RAY_AUTH_TOKEN "
+             "or RAY_AUTH_TOKEN_PATH); see README 'Running on a cluster'")
+
+
+def _connect(address: str, options: dict) -> None:
+    """``ray.init(address)``, sending the local token to a local cluster, and saying why a connection failed."""
+    explicit = (os.environ.get("RAY_ADDRESS") or "") if address == "auto" else address
+    if explicit and "RAY_AUTH_MODE" not in os.environ and _is_this_machine(explicit):
+        _enable_token_auth_if_token_available()
+    try:
+        ray.init(address=address, **options)
+    except ConnectionError as error:
+        raise ConnectionError(f"cannot connect to the Ray cluster at {explicit or address}: {error}; "
+                              f"{AUTH_HINT}") from error
+
+
+def _is_this_machine(address: str) -> bool:
+    """Whether ``host:port`` names an address of this machine (a socket can bind to it)."""
+    if address.startswith("ray://"):
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    try:
+        candidates = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return False
+    for ip in candidates:
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as probe:
+                probe.bind((ip, 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _enable_token_auth_if_token_available() -> None:
+    try:  # Ray's own step for clusters it finds itself; private, so tolerate its absence
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)

@@ -104,6 +104,8 @@ def _write_result(run_dir: Path, job: JobConfig, *, status: str, result: RunResu
     if result is not None:
         payload.update(final_step=result.final_step, metrics=result.metrics, checkpoint=result.checkpoint,
                        history=result.history, events=result.events)
+        if result.memory is not None:
+            payload["memory"] = [{"rank": rank, **m} for rank, m in enumerate(result.memory)]
         if result.ledger is not None:
             payload["ledger"] = result.ledger
     else:

@@ -1,13 +1,20 @@
-"""How gradients and state move between workers."""
+"""How gradients and state move between workers: one strategy object per job, built from its config."""
 
 from __future__ import annotations
 
 from cluster.config import StrategyConfig
+from strategies.base import Strategy
 from strategies.ddp import DDPStrategy
+from strategies.fsdp import FSDPStrategy
+from strategies.zero1 import Zero1Strategy
 
 
-def build_strategy(config: StrategyConfig) -> DDPStrategy:
-    """The strategy object for ``config.name``; it sees only its own config."""
+def build_strategy(config: StrategyConfig) -> Strategy:
+    """The strategy for ``config.name``; it sees only its own config."""
     if config.name == "ddp":
         return DDPStrategy(bucket_cap_mb=config.bucket_cap_mb)
+    if config.name == "zero1":
+        return Zero1Strategy(bucket_cap_mb=config.bucket_cap_mb)
+    if config.name in ("zero2", "zero3"):
+        return FSDPStrategy(name=config.name, reshard_after_forward=config.name == "zero3", offload=config.offload)
     raise ValueError(f"strategy.name={config.name!r} is not implemented")

@@ -1,29 +1,42 @@
-"""Checkpoints (format v0): rank 0 writes the full state; a JSON manifest, written last, marks it complete.
+"""Sharded, resharding checkpoints: torch.distributed.checkpoint (DCP) plus a JSON manifest.
 
-Layout: ``<root>/step_00000120/{state.pt, manifest.json}``. The manifest is written to a
-temporary file, fsynced and renamed, so a directory without one (a crash mid-save) is never
-loaded. ``state.pt`` holds only tensors and plain containers: it loads with
-``torch.load(..., weights_only=True)``. Old checkpoints are removed only after a newer one is
-complete. (The sharded, resharding format replaces the state file in a later version; the
-manifest keeps its shape.)
+Layout: ``<root>/step_00000120/`` holds DCP's files (one or more per rank, written in parallel,
+and DCP's ``.metadata``) and ``manifest.json``, written last by rank 0 once every rank's shard
+is on storage: temp file, fsync, rename. A directory without a valid manifest, or whose files
+do not match the manifest's sizes and SHA-256 checksums, is never loaded: the loader falls
+back to the previous complete checkpoint. The state dict is the strategies' canonical layout
+(strategies/base.py), so a checkpoint saved by any strategy at any world size loads into any
+other. DCP stores tensors, not pickled objects. ``root`` is a local or shared path, or an
+fsspec URL (``s3://bucket/run``, ``memory://`` ...).
+
+Example (every rank calls, in the same order)::
+
+    checkpointer = Checkpointer(root="runs/x/checkpoints", every_steps=50, num_to_keep=2,
+                                config_hash="ab12", global_batch_size=64, async_save=True)
+    pending = checkpointer.save(step, strategy.state_dict(state), strategy="zero3", world_size=4,
+                                group=checkpoint_group)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import shutil
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from typing import Any
 
+import fsspec
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 MANIFEST_NAME = "manifest.json"
-STATE_NAME = "state.pt"
-FORMAT = "full-v0"
+FORMAT = "dcp-v1"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,109 +44,231 @@ class CheckpointManifest:
     step: int
     """Optimizer steps committed in this state; training resumes at the next one."""
     world_size: int
+    strategy: str
     samples_consumed: int
     """The data cursor: position in the global sample stream (step * global_batch_size)."""
     config_hash: str
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Every file of the checkpoint: {"size": bytes, "sha256": hex}."""
+    versions: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT
     created_at: float = 0.0
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    path: Path
+    path: str
     manifest: CheckpointManifest
+
+
+@dataclass(frozen=True)
+class Rejected:
+    path: str
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpointer:
-    """Where and how often rank 0 saves, and how many complete checkpoints it keeps."""
+    """Where and how often the group saves, and how many complete checkpoints it keeps."""
 
     root: str
     every_steps: int
     num_to_keep: int
     config_hash: str
     global_batch_size: int
+    async_save: bool = False
 
     def due(self, step: int) -> bool:
         return self.every_steps > 0 and step % self.every_steps == 0
 
-    def save(self, step: int, world_size: int, state: Callable[[], dict[str, Any]]) -> Path:
-        """Write ``state()`` for ``step`` and its manifest last; then prune older checkpoints."""
-        manifest = CheckpointManifest(step=step, world_size=world_size,
+    def directory(self, step: int) -> str:
+        return f"{self.root.rstrip('/')}/step_{step:08d}"
+
+    def save(self, step: int, state_dict: dict[str, Any], *, strategy: str, world_size: int,
+             group: dist.ProcessGroup | None = None) -> Future:
+        """Collective: every rank writes its shard of ``state_dict``; rank 0 then writes the manifest and
+        prunes. Returns a future that is done when the checkpoint is complete (at once unless async)."""
+        directory = self.directory(step)
+        if dist.get_rank() == 0:
+            fs, path = _filesystem(directory)
+            if fs.exists(path):  # an incomplete earlier attempt at this step
+                fs.rm(path, recursive=True)
+            fs.makedirs(path, exist_ok=True)
+        dist.barrier(group=group)
+        manifest = CheckpointManifest(step=step, world_size=world_size, strategy=strategy,
                                       samples_consumed=step * self.global_batch_size,
-                                      config_hash=self.config_hash, created_at=time.time())
-        path = write_checkpoint(Path(self.root), manifest, state())
-        prune_checkpoints(Path(self.root), self.num_to_keep)
-        return path
+                                      config_hash=self.config_hash, versions=_versions())
+        if not self.async_save:
+            dcp.save(state_dict, storage_writer=_writer(directory), process_group=group)
+            return self._completed(directory, manifest)
+        staged = dcp.async_save(state_dict, storage_writer=_writer(directory), process_group=group)
+        done: Future = Future()
+
+        def finish(result: Future) -> None:
+            try:
+                result.result()
+                done.set_result(self._completed(directory, manifest).result())
+            except Exception as error:  # noqa: BLE001 - reported through the future
+                done.set_exception(error)
+
+        staged.add_done_callback(finish)
+        return done
+
+    def _completed(self, directory: str, manifest: CheckpointManifest) -> Future:
+        finished: Future = Future()
+        if dist.get_rank() == 0:
+            write_manifest(directory, manifest)
+            prune_checkpoints(self.root, self.num_to_keep)
+        finished.set_result(directory)
+        return finished
 
 
-def write_checkpoint(root: Path, manifest: CheckpointManifest, state: dict[str, Any]) -> Path:
-    directory = root / f"step_{manifest.step:08d}"
-    if directory.exists():  # an incomplete earlier attempt at this step, or a save we redo
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
-    torch.save(state, directory / STATE_NAME)
-    _fsync(directory / STATE_NAME)
-    _write_atomically(directory / MANIFEST_NAME, json.dumps(asdict(manifest), indent=2))
-    return directory
+def write_manifest(directory: str, manifest: CheckpointManifest) -> None:
+    """Checksum every file of ``directory`` and write the manifest atomically, last."""
+    fs, path = _filesystem(directory)
+    files = {}
+    for name in sorted(fs.ls(path, detail=False)):
+        base = name.rstrip("/").rsplit("/", 1)[-1]
+        if base != MANIFEST_NAME and not base.endswith(".tmp"):
+            files[base] = {"size": fs.size(name), "sha256": _sha256(fs, name)}
+    complete = CheckpointManifest(**{**asdict(manifest), "files": files, "created_at": time.time()})
+    _write_atomically(fs, f"{path}/{MANIFEST_NAME}", json.dumps(asdict(complete), indent=1))
 
 
-def complete_checkpoints(root: str | Path) -> list[Checkpoint]:
-    """Checkpoints under ``root`` with a valid manifest, oldest first."""
-    found = []
-    for directory in sorted(Path(root).glob("step_*")):
-        manifest = read_manifest(directory)
-        if manifest is not None and (directory / STATE_NAME).is_file():
-            found.append(Checkpoint(directory, manifest))
-    return sorted(found, key=lambda c: c.manifest.step)
-
-
-def latest_checkpoint(root: str | Path) -> Checkpoint | None:
-    checkpoints = complete_checkpoints(root)
-    return checkpoints[-1] if checkpoints else None
-
-
-def read_manifest(directory: Path) -> CheckpointManifest | None:
+def read_manifest(directory: str) -> CheckpointManifest | None:
+    fs, path = _filesystem(directory)
     try:
-        return CheckpointManifest(**json.loads((directory / MANIFEST_NAME).read_text()))
+        with fs.open(f"{path}/{MANIFEST_NAME}", "r") as handle:
+            return CheckpointManifest(**json.load(handle))
     except (OSError, ValueError, TypeError):
         return None
 
 
-def load_checkpoint_state(path: str | Path) -> dict[str, Any]:
-    """The saved state (model, optimizer, step), without unpickling arbitrary objects."""
-    return torch.load(Path(path) / STATE_NAME, map_location="cpu", weights_only=True)
+def verify(directory: str, manifest: CheckpointManifest) -> str | None:
+    """Why ``directory`` must not be loaded (a missing, truncated or altered file), or None if intact."""
+    fs, path = _filesystem(directory)
+    if manifest.format != FORMAT:
+        return f"format {manifest.format!r}, expected {FORMAT!r}"
+    for name, expected in manifest.files.items():
+        file = f"{path}/{name}"
+        if not fs.exists(file):
+            return f"{name} is missing"
+        if fs.size(file) != expected["size"]:
+            return f"{name} has {fs.size(file)} bytes, the manifest says {expected['size']}"
+        if _sha256(fs, file) != expected["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
 
 
-def prune_checkpoints(root: Path, num_to_keep: int) -> None:
-    """Remove the oldest complete checkpoints beyond ``num_to_keep`` and any incomplete older ones."""
+def complete_checkpoints(root: str) -> list[Checkpoint]:
+    """Checkpoints under ``root`` with a manifest, oldest first (not yet verified)."""
+    fs, path = _filesystem(root)
+    if not fs.exists(path):
+        return []
+    found = []
+    for directory in fs.ls(path, detail=False):
+        if directory.rstrip("/").rsplit("/", 1)[-1].startswith("step_"):
+            manifest = read_manifest(_same_scheme(root, directory))
+            if manifest is not None:
+                found.append(Checkpoint(_same_scheme(root, directory), manifest))
+    return sorted(found, key=lambda c: c.manifest.step)
+
+
+def newest_loadable(root: str) -> tuple[Checkpoint | None, list[Rejected]]:
+    """The newest complete checkpoint whose files are intact, and the newer ones rejected on the way."""
+    rejected = []
+    for checkpoint in reversed(complete_checkpoints(root)):
+        reason = verify(checkpoint.path, checkpoint.manifest)
+        if reason is None:
+            return checkpoint, rejected
+        rejected.append(Rejected(checkpoint.path, reason))
+    return None, rejected
+
+
+def latest_checkpoint(root: str) -> Checkpoint | None:
+    return newest_loadable(root)[0]
+
+
+def load_into(state_dict: dict[str, Any], directory: str, group: dist.ProcessGroup | None = None) -> None:
+    """Collective: fill ``state_dict`` (canonical layout, this rank's shards) from ``directory``."""
+    dcp.load(state_dict, storage_reader=_reader(directory), process_group=group)
+
+
+def prune_checkpoints(root: str, num_to_keep: int) -> None:
+    """Remove complete checkpoints beyond the newest ``num_to_keep``, and incomplete ones older than
+    the newest complete one (never one that may still be being written)."""
     complete = complete_checkpoints(root)
+    if not complete:
+        return
     keep = {c.path for c in complete[-num_to_keep:]}
-    newest_step = complete[-1].manifest.step if complete else -1
-    for directory in root.glob("step_*"):
-        older = int(directory.name.removeprefix("step_")) < newest_step
-        if directory not in keep and older:
-            shutil.rmtree(directory, ignore_errors=True)
+    newest = complete[-1].manifest.step
+    fs, path = _filesystem(root)
+    for directory in fs.ls(path, detail=False):
+        name = directory.rstrip("/").rsplit("/", 1)[-1]
+        if not name.startswith("step_") or _same_scheme(root, directory) in keep:
+            continue
+        if int(name.removeprefix("step_")) < newest:
+            fs.rm(directory, recursive=True)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_suffix(".tmp")
-    with open(temporary, "w") as handle:
+def _filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    return fsspec.core.url_to_fs(url)
+
+
+def _same_scheme(root: str, path: str) -> str:
+    """``path`` as listed by fsspec, written with ``root``'s protocol prefix (if any)."""
+    protocol, sep, _ = root.partition("://")
+    if not sep:
+        return path
+    return path if "://" in path else f"{protocol}://{path.lstrip('/') if protocol != 'memory' else path}"
+
+
+def _is_local(url: str) -> bool:
+    return isinstance(_filesystem(url)[0], LocalFileSystem)
+
+
+def _writer(directory: str) -> FileSystemWriter | FsspecWriter:
+    return FileSystemWriter(directory, sync_files=True) if _is_local(directory) else FsspecWriter(directory)
+
+
+def _reader(directory: str) -> FileSystemReader | FsspecReader:
+    return FileSystemReader(directory) if _is_local(directory) else FsspecReader(directory)
+
+
+def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:
+    temporary = f"{path}.tmp"
+    if isinstance(fs, LocalFileSystem):
+        import os
+
+        with open(temporary, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+        descriptor = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        return
+    with fs.open(temporary, "w") as handle:
         handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(path.parent)
+    fs.mv(temporary, path)
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
+def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
-def _fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+def _versions() -> dict[str, str]:
+    versions = {"torch": torch.__version__}
+    for package in ("ray", "raylastic"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions

@@ -1,4 +1,4 @@
-"""Data parallelism with torch DDP: bucketed all-reduce overlapped with backward.
+"""Data parallelism with torch DDP: bucketed all-reduce overlapped with backward (replicated state).
 
 ``bucket_cap_mb`` is DDP's bucket size (its first bucket is 1 MiB whatever this says). At world
 size 1 the model is used as it is: the loss scaling in the step loop makes the math the same.
@@ -9,31 +9,65 @@ DDP averages gradients over the world size; the step loop scales each rank's sum
 from __future__ import annotations
 
 import contextlib
-from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from strategies.base import ModelFactory, OptimizerFactory, TrainState
+from strategies.flat_state import copy_into, model_entries, optimizer_entries
+
+CommHookFactory = Callable[[], tuple[Any, Callable]]
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_cap_mb: float,
+             comm_hook: CommHookFactory | None = None) -> torch.nn.Module:
+    """``model`` in a DDP for the current process group; the model itself at world size 1."""
+    if dist.get_world_size() == 1:
+        return model
+    wrapped = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb,
+        init_sync=False)  # state is handed over explicitly, from the most advanced rank
+    if comm_hook is not None:
+        wrapped.register_comm_hook(*comm_hook())
+    return wrapped
+
+
+def ddp_no_sync(wrapped: torch.nn.Module) -> AbstractContextManager:
+    if isinstance(wrapped, DistributedDataParallel):
+        return wrapped.no_sync()
+    return contextlib.nullcontext()
+
 
 @dataclass(frozen=True, kw_only=True)
 class DDPStrategy:
     bucket_cap_mb: float = 25.0
+    comm_hook: CommHookFactory | None = field(default=None, compare=False)
+    """Builds a fresh (state, hook) pair for each generation's DDP (gradient compression)."""
+    name: str = "ddp"
+    replicated: bool = True
 
-    def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """Wrap ``model`` for the current process group (call again after every re-formed group)."""
-        if dist.get_world_size() == 1:
-            return model
-        return DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=self.bucket_cap_mb,
-            init_sync=False,  # state is handed over explicitly, from the most advanced rank
-        )
+    def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
+              previous: TrainState | None) -> TrainState:
+        """Keeps the previous generation's model and optimizer (survivors keep their state)."""
+        if previous is None:
+            model = build_model()
+            optimizer = build_optimizer(list(model.parameters()))
+        else:
+            model, optimizer = previous.model, previous.optimizer
+        return TrainState(model=model, wrapped=wrap_ddp(model, device, self.bucket_cap_mb, self.comm_hook),
+                          optimizer=optimizer)
 
-    def no_sync(self, wrapped: torch.nn.Module) -> ContextManager:
-        """Skip gradient communication (all micro-batches but the last of an accumulated step)."""
-        if isinstance(wrapped, DistributedDataParallel):
-            return wrapped.no_sync()
-        return contextlib.nullcontext()
+    def no_sync(self, state: TrainState) -> AbstractContextManager:
+        return ddp_no_sync(state.wrapped)
+
+    def state_dict(self, state: TrainState) -> dict[str, Any]:
+        names = {p: n for n, p in state.model.named_parameters()}
+        return {**model_entries(state.model), **optimizer_entries(state.optimizer.state, names)}
+
+    def load_state_dict(self, state: TrainState, flat: dict[str, Any]) -> None:
+        copy_into(self.state_dict(state), flat)

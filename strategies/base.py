@@ -1,0 +1,99 @@
+"""The narrow contract every strategy keeps, and the canonical state-dict layout they share.
+
+A strategy builds, for each process-group generation, the objects a worker trains with
+(``TrainState``), says how to skip gradient communication during accumulation, and converts
+that state to and from one canonical, flat state dict:
+
+    "model.<fqn>"                 parameters and buffers
+    "optim.state.<fqn>.<name>"    optimizer state per parameter (Adam's exp_avg, step, ...)
+
+Sharded tensors are DTensors sharded on dim 0 over all ranks, replicated ones plain tensors;
+both describe the same logical tensor, so torch.distributed.checkpoint can save with one
+strategy and world size and load with another (zero3 at 4 ranks -> ddp at 2 ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.tensor import DTensor
+
+ModelFactory = Callable[[], torch.nn.Module]
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class TrainState:
+    """What one worker trains with in the current generation."""
+
+    model: torch.nn.Module
+    """The module itself (sharded in place by FSDP2 for zero2/zero3)."""
+    wrapped: torch.nn.Module
+    """What forward is called on: a DDP wrapper for ddp/zero1, the module itself otherwise."""
+    optimizer: torch.optim.Optimizer
+
+
+class Strategy(Protocol):
+    name: str
+    replicated: bool
+    """True when every rank holds the full model and optimizer state, so a survivor can hand it
+    over in memory; False when state is sharded and a lost shard must come from a checkpoint."""
+
+    def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
+              previous: TrainState | None) -> TrainState:
+        """The state for the current process group; ``previous`` is the last generation's (or None)."""
+        ...
+
+    def no_sync(self, state: TrainState) -> AbstractContextManager:
+        """Skip gradient communication (every micro-batch but the last of a step)."""
+        ...
+
+    def state_dict(self, state: TrainState) -> dict[str, Any]:
+        """The canonical flat state dict (tensors shared with the live state, not copies)."""
+        ...
+
+    def load_state_dict(self, state: TrainState, flat: dict[str, Any]) -> None:
+        """Load a canonical flat state dict (as filled in by a checkpoint load) into ``state``."""
+        ...
+
+
+def local_bytes(tensors: list[torch.Tensor | None]) -> int:
+    """Bytes this rank holds for ``tensors`` (a DTensor counts only its local shard)."""
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+def memory_breakdown(state: TrainState) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds now."""
+    parameters = list(state.model.parameters())
+    optimizer = [v for per_param in state.optimizer.state.values() for v in per_param.values()
+                 if isinstance(v, torch.Tensor)]
+    return {"parameters": local_bytes(parameters), "gradients": local_bytes([p.grad for p in parameters]),
+            "optimizer": local_bytes(optimizer)}
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazily built state (zero gradients, a step at lr 0), so it can be loaded into."""
+    optimizer = getattr(optimizer, "inner", optimizer)  # a sharded optimizer's own torch optimizer
+    if optimizer.state:
+        return
+    parameters = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    learning_rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, learning_rates, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    # Adam's step counter is now 1; a checkpoint load overwrites it, an in-memory hand-over too.

@@ -1,0 +1,82 @@
+"""ZeRO stages 2 and 3 with FSDP2 (``fully_shard``): gradients and optimizer state sharded (zero2),
+and parameters too between forward and backward (zero3).
+
+Rajbhandari et al. 2020 (ZeRO stages P_os+g and P_os+g+p). FSDP2 keeps parameters sharded at
+rest as DTensors; ``reshard_after_forward=False`` (zero2) keeps the gathered parameters from
+forward through backward, ``True`` (zero3) frees them after each forward and gathers again for
+backward. Each repeated block is its own FSDP unit (its parameters are gathered together), then
+the root. FSDP2 averages gradients over ranks like DDP, so the step loop's loss scaling is the
+same. On GPUs, DTensor collectives use NCCL; FSDP2's CPU offload (``offload``) keeps parameters
+and optimizer state in host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+from strategies.base import ModelFactory, OptimizerFactory, TrainState
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPStrategy:
+    reshard_after_forward: bool
+    offload: bool = False
+    name: str = "zero3"
+    replicated: bool = False
+
+    def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
+              previous: TrainState | None) -> TrainState:
+        """A fresh model sharded over the current group: sharded state cannot outlive its group."""
+        model = build_model()
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                                       offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
+        for child in _units(model):
+            fully_shard(child, **options)
+        fully_shard(model, **options)
+        return TrainState(model=model, wrapped=model, optimizer=build_optimizer(list(model.parameters())))
+
+    def no_sync(self, state: TrainState) -> AbstractContextManager:
+        return _without_gradient_sync(state.model)
+
+    def state_dict(self, state: TrainState) -> dict[str, Any]:
+        model, optimizer = get_state_dict(state.model, state.optimizer, options=_OPTIONS)
+        return {**{f"model.{k}": v for k, v in model.items()}, **{f"optim.{k}": v for k, v in optimizer.items()
+                                                                   if k.startswith("state.")}}
+
+    def load_state_dict(self, state: TrainState, flat: dict[str, Any]) -> None:
+        model = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
+        _, current = get_state_dict(state.model, state.optimizer, options=_OPTIONS)
+        optimizer = {k: flat.get(f"optim.{k}", v) for k, v in current.items()}  # param_groups: as built
+        set_state_dict(state.model, state.optimizer, model_state_dict=model, optim_state_dict=optimizer,
+                       options=_OPTIONS)
+
+
+def _units(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The repeated blocks (entries of a ModuleList: a GPT's layers) are units of their own; the
+    rest (embeddings, tied heads, norms) is sharded with the root, as in torchtitan."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            yield from module
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
+    assert isinstance(model, FSDPModule)
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

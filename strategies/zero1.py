@@ -1,0 +1,109 @@
+"""ZeRO stage 1: parameters and gradients replicated (DDP), optimizer state sharded over ranks.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", stage P_os. Each parameter's optimizer state is split on dim 0 into world-size chunks
+(torch.chunk, as FSDP2 shards); rank r keeps chunk r. After DDP's all-reduce every rank has the
+full averaged gradient, so each updates only its chunk of each parameter - the optimizer runs
+on DTensor "shard" views whose local tensors alias the model's own storage - and the updated
+chunks are all-gathered back into the full parameters.
+
+The optimizer state is a DTensor sharded like FSDP2's, so its checkpoints load into zero2/zero3
+(and ddp) at any world size.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from strategies.base import ModelFactory, OptimizerFactory, TrainState
+from strategies.ddp import ddp_no_sync, wrap_ddp
+from strategies.flat_state import copy_into, model_entries, optimizer_entries
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Runs ``inner`` on this rank's dim-0 chunk of every parameter, then all-gathers the chunks."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter], build_optimizer: OptimizerFactory,
+                 device: torch.device) -> None:
+        self.full = [p for p in parameters if p.requires_grad]
+        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.shards = [torch.nn.Parameter(self._shard_of(p.data)) for p in self.full]
+        self.inner = build_optimizer(self.shards)
+        self.defaults = self.inner.defaults
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for parameter in self.full:
+            parameter.grad = None
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for full, shard in zip(self.full, self.shards, strict=True):
+            shard.grad = self._shard_of(full.grad) if full.grad is not None else None
+        self.inner.step()
+        for full, shard in zip(self.full, self.shards, strict=True):
+            self._all_gather_into(full.data, shard.to_local())
+
+    def _shard_of(self, tensor: torch.Tensor) -> DTensor:
+        if tensor.dim() == 0:  # a scalar cannot be split: every rank holds and updates it
+            return DTensor.from_local(tensor, self.mesh, [Replicate()], run_check=False)
+        chunks = torch.chunk(tensor, self.world_size, dim=0)
+        local = chunks[self.rank] if self.rank < len(chunks) else tensor.new_empty((0, *tensor.shape[1:]))
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=tensor.shape,
+                                  stride=tensor.stride())
+
+    def _all_gather_into(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        if full.dim() == 0:
+            return
+        width = -(-full.shape[0] // self.world_size)
+        padded = local.new_zeros((width, *full.shape[1:]))
+        padded[: local.shape[0]] = local
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded)
+        full.copy_(torch.cat(gathered)[: full.shape[0]])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero1Strategy:
+    bucket_cap_mb: float = 25.0
+    name: str = "zero1"
+    replicated: bool = False
+
+    def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
+              previous: TrainState | None) -> TrainState:
+        """Keeps the model (replicated); the optimizer's shards depend on the group, so it is rebuilt."""
+        model = previous.model if previous is not None else build_model()
+        optimizer = ShardedOptimizer(list(model.parameters()), build_optimizer, device)
+        return TrainState(model=model, wrapped=wrap_ddp(model, device, self.bucket_cap_mb), optimizer=optimizer)
+
+    def no_sync(self, state: TrainState) -> AbstractContextManager:
+        return ddp_no_sync(state.wrapped)
+
+    def state_dict(self, state: TrainState) -> dict[str, Any]:
+        optimizer: ShardedOptimizer = state.optimizer  # type: ignore[assignment]
+        full_names = {p: n for n, p in state.model.named_parameters()}
+        names = {shard: full_names[full] for full, shard in zip(optimizer.full, optimizer.shards, strict=True)}
+        return {**model_entries(state.model), **optimizer_entries(optimizer.state, names)}
+
+    def load_state_dict(self, state: TrainState, flat: dict[str, Any]) -> None:
+        copy_into(self.state_dict(state), flat)
+        optimizer: ShardedOptimizer = state.optimizer  # type: ignore[assignment]
+        with torch.no_grad():  # the shards alias the parameters: refresh them after a load
+            for full, shard in zip(optimizer.full, optimizer.shards, strict=True):
+                shard.to_local().copy_(optimizer._shard_of(full.data).to_local())

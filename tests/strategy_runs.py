@@ -1,0 +1,68 @@
+"""Functions run on every rank by tests/test_zero.py (importable by spawned processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from actors.data_order import GlobalSampleOrder
+from actors.step_loop import StepRunner
+from actors.worker import optimizer_factory
+from cluster.config import OptimConfig, StrategyConfig
+from strategies import build_strategy
+from strategies.base import init_optimizer_state
+from strategies.checkpoint import Checkpointer, load_into
+from workloads import load_workload
+
+WORKLOAD = ("chargpt", {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "corpus_chars": 60_000})
+GLOBAL_BATCH = 12
+
+
+OPTIMIZERS = {"adamw": OptimConfig(name="adamw", lr=1e-2), "sgd": OptimConfig(name="sgd", lr=0.2, momentum=0.9)}
+
+
+def setup(strategy_name: str, optimizer: str = "adamw"):
+    workload = load_workload(*WORKLOAD)
+    strategy = build_strategy(StrategyConfig(name=strategy_name))
+    torch.manual_seed(0)
+    state = strategy.setup(workload.build_model, optimizer_factory(OPTIMIZERS[optimizer]), torch.device("cpu"),
+                           None)
+    dataset = workload.train_dataset()
+    runner = StepRunner(workload=workload, dataset=dataset, strategy=strategy,
+                        order=GlobalSampleOrder(len(dataset), GLOBAL_BATCH, seed=0), micro_batch_size=4,
+                        device=torch.device("cpu"))
+    return strategy, state, runner
+
+
+def train_and_report(strategy_name: str, steps: int, checkpoint_root: str | None = None,
+                     optimizer: str = "adamw") -> dict[str, Any]:
+    """Train ``steps`` steps; optionally checkpoint; return the full (gathered) canonical state."""
+    strategy, state, runner = setup(strategy_name, optimizer)
+    for step in range(steps):
+        runner.run(state, step, stop_vote=False)
+    if checkpoint_root is not None:
+        checkpointer = Checkpointer(root=checkpoint_root, every_steps=0, num_to_keep=3, config_hash="test",
+                                    global_batch_size=GLOBAL_BATCH)
+        checkpointer.save(steps, strategy.state_dict(state), strategy=strategy_name,
+                          world_size=dist.get_world_size()).result()
+    return full_state(strategy, state)
+
+
+def restore_and_report(strategy_name: str, directory: str) -> dict[str, Any]:
+    strategy, state, _ = setup(strategy_name)
+    init_optimizer_state(state.optimizer)
+    flat = strategy.state_dict(state)
+    load_into(flat, directory)
+    strategy.load_state_dict(state, flat)
+    return full_state(strategy, state)
+
+
+def full_state(strategy, state) -> dict[str, Any]:
+    gathered = {}
+    for key, value in strategy.state_dict(state).items():
+        if isinstance(value, torch.Tensor):
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            gathered[key] = value.detach().clone()
+    return gathered if dist.get_rank() == 0 else {}
