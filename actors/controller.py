@@ -109,7 +109,11 @@ class Controller:
                 self._form_generation()
                 outcome = Watcher(self).watch(until_step=self.job.training.steps)
                 if isinstance(outcome, Finished):
-                    return self._finish()
+                    try:
+                        return self._finish()
+                    except ray.exceptions.RayActorError:  # a member died at the very end: recover, finish again
+                        dead = [m for m in self.members if not _alive(m)]
+                        outcome = WorkersFailed([(m, "died while the run was finishing") for m in dead])
                 if isinstance(outcome, Interrupted):
                     raise RunFailed(f"run stopped by the user at step {self.step}{self._checkpoint_note()}")
                 if isinstance(outcome, WorkersFailed):
@@ -177,6 +181,7 @@ class Controller:
         by the old group first and loaded, resharded, by the new one: nothing is discarded."""
         if not self.replicated:
             path = ray.get([m.actor.save_checkpoint.remote() for m in self.members])[0]
+            self.log.event("checkpointed", self.step, path=path, reason="membership change")
             self.restore_from = Checkpoint(path, read_manifest(path))
         for member in self.membership.remove_drained():
             self.log.event("worker_left", self.step, worker=member.name, reason="drained")
@@ -261,6 +266,8 @@ class Controller:
         if self.restore_from is not None or (not self.replicated and self.generation > 0):
             source = "checkpoint"
             self.step = self._restore(members)
+        elif not self.replicated:  # a fresh sharded start: every rank initialised identically from the seed
+            source = "initialisation"
         else:
             source = max(range(world_size), key=lambda r: reports[r].step)
             self.step = reports[source].step
@@ -277,7 +284,7 @@ class Controller:
         return step
 
     def faults_for(self, rank: int) -> tuple[FaultConfig, ...]:
-        return tuple(f for f in self.pending_faults if f.rank == rank and f.action != "ray_kill")
+        return tuple(f for f in self.pending_faults if f.rank == rank)
 
     def on_step_committed(self, finished_at: float) -> None:
         """Called by the Watcher for each newly committed step; closes a recovery when one is open."""
@@ -295,6 +302,7 @@ class Controller:
         model_state = ray.get([a.full_state_dict.remote() for a in actors])[0]
         memory = ray.get([a.memory.remote() for a in actors])
         path = ray.get([a.save_checkpoint.remote() for a in actors])[0]
+        self.log.event("checkpointed", self.step, path=path, reason="end of run")
         history = self.log.history()
         metrics = {"loss": history[-1]["loss"] if history else float("nan"), **metrics}
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})

@@ -2,7 +2,7 @@
 
 The worker checks before each step; a fault fires while its step is in flight, so the peers are
 left inside that step's collectives, as with a real crash. ``ray_kill`` is executed by the
-Controller instead (see actors/watch.py), since it is Ray killing the actor from outside.
+Controller instead: the worker waits inside its step until ``ray.kill`` comes (actors/watch.py).
 """
 
 from __future__ import annotations

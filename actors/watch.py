@@ -139,11 +139,10 @@ class Watcher:
             log.event(event.pop("type"), event.pop("step"), **event)
 
     def _fire_ray_kills(self, members: list[Member]) -> None:
-        """The ``ray_kill`` faults: Ray kills the actor from outside once its step is in flight."""
-        for fault in [f for f in self.controller.pending_faults if f.action == "ray_kill"]:
-            if self.controller.step >= fault.step - 1 and fault.rank < len(members):
-                ray.kill(members[fault.rank].actor, no_restart=True)
-                self.controller.pending_faults.remove(fault)
+        """The ``ray_kill`` fault: a worker that reached it waits mid-step for Ray to kill it from outside."""
+        for member in members:
+            if self.views[member.name].phase == "awaiting_kill":
+                ray.kill(member.actor, no_restart=True)
 
     def _dead_members(self, members: list[Member], error: RayActorError) -> list[tuple[Member, str]]:
         self._poll(members)

@@ -40,7 +40,7 @@ from strategies.process_group import GroupAssignment, choose_backend, choose_dev
 from strategies.state_transfer import broadcast_training_state
 from workloads import load_workload
 
-Phase = Literal["idle", "training", "stopped", "finished", "failed"]
+Phase = Literal["idle", "training", "stopped", "finished", "failed", "awaiting_kill"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,7 +171,7 @@ class TrainWorker:
     def save_checkpoint(self) -> str:
         """Collective: write this step's checkpoint now and wait until it is complete."""
         self._wait_for_save()
-        return self._start_save().result()
+        return self._start_save(record=False).result()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective for sharded strategies: the model's full state on CPU, as a plain state dict."""
@@ -192,7 +192,8 @@ class TrainWorker:
     def _build_model(self) -> torch.nn.Module:
         return self.workload.build_model().to(self.device)
 
-    def _start_save(self) -> Future:
+    def _start_save(self, *, record: bool = True) -> Future:
+        """Start this step's save; with ``record``, rank 0 reports a "checkpointed" event when it completes."""
         started = time.perf_counter()
         future = self.spec.checkpointer.save(
             self.step, self.strategy.state_dict(self.state), strategy=self.strategy.name,
@@ -200,7 +201,7 @@ class TrainWorker:
         step = self.step
 
         def record(done: Future) -> None:
-            if done.exception() is None and dist.get_rank() == 0:
+            if record and done.exception() is None and dist.get_rank() == 0:
                 with self._lock:
                     self._events.append({"type": "checkpointed", "step": step, "path": done.result(),
                                          "duration_s": round(time.perf_counter() - started, 4)})
@@ -222,7 +223,10 @@ class TrainWorker:
         try:
             while self.step < until_step:
                 for fault in faults:
-                    if fault.step == self.step + 1:
+                    if fault.step == self.step + 1 and fault.action == "ray_kill":
+                        self._phase = "awaiting_kill"  # the Controller sees it and ray.kill()s this actor
+                        threading.Event().wait()
+                    elif fault.step == self.step + 1:
                         fire(fault)
                 result = self.runner.run(self.state, self.step, stop_vote=self._stop_vote.is_set())
                 with self._lock:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
@@ -160,7 +161,7 @@ def verify(directory: str, manifest: CheckpointManifest) -> str | None:
     return None
 
 
-def complete_checkpoints(root: str) -> list[Checkpoint]:
+def complete_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
     """Checkpoints under ``root`` with a manifest, oldest first (not yet verified)."""
     fs, path = _filesystem(root)
     if not fs.exists(path):
@@ -174,7 +175,7 @@ def complete_checkpoints(root: str) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.manifest.step)
 
 
-def newest_loadable(root: str) -> tuple[Checkpoint | None, list[Rejected]]:
+def newest_loadable(root: str | os.PathLike) -> tuple[Checkpoint | None, list[Rejected]]:
     """The newest complete checkpoint whose files are intact, and the newer ones rejected on the way."""
     rejected = []
     for checkpoint in reversed(complete_checkpoints(root)):
@@ -185,7 +186,7 @@ def newest_loadable(root: str) -> tuple[Checkpoint | None, list[Rejected]]:
     return None, rejected
 
 
-def latest_checkpoint(root: str) -> Checkpoint | None:
+def latest_checkpoint(root: str | os.PathLike) -> Checkpoint | None:
     return newest_loadable(root)[0]
 
 
@@ -211,13 +212,13 @@ def prune_checkpoints(root: str, num_to_keep: int) -> None:
             fs.rm(directory, recursive=True)
 
 
-def _filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    return fsspec.core.url_to_fs(url)
+def _filesystem(url: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
+    return fsspec.core.url_to_fs(str(url))
 
 
 def _same_scheme(root: str, path: str) -> str:
     """``path`` as listed by fsspec, written with ``root``'s protocol prefix (if any)."""
-    protocol, sep, _ = root.partition("://")
+    protocol, sep, _ = str(root).partition("://")
     if not sep:
         return path
     return path if "://" in path else f"{protocol}://{path.lstrip('/') if protocol != 'memory' else path}"
@@ -238,8 +239,6 @@ def _reader(directory: str) -> FileSystemReader | FsspecReader:
 def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:
     temporary = f"{path}.tmp"
     if isinstance(fs, LocalFileSystem):
-        import os
-
         with open(temporary, "w") as handle:
             handle.write(text)
             handle.flush()

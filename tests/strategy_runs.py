@@ -66,3 +66,18 @@ def full_state(strategy, state) -> dict[str, Any]:
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             gathered[key] = value.detach().clone()
     return gathered if dist.get_rank() == 0 else {}
+
+
+def train_with_saves(strategy_name: str, steps: int, checkpoint_root: str, every: int) -> list[int]:
+    """Train ``steps`` steps, saving every ``every`` steps; returns the steps saved."""
+    strategy, state, runner = setup(strategy_name)
+    checkpointer = Checkpointer(root=checkpoint_root, every_steps=every, num_to_keep=10, config_hash="test",
+                                global_batch_size=GLOBAL_BATCH)
+    saved = []
+    for step in range(steps):
+        runner.run(state, step, stop_vote=False)
+        if checkpointer.due(step + 1):
+            checkpointer.save(step + 1, strategy.state_dict(state), strategy=strategy_name,
+                              world_size=dist.get_world_size()).result()
+            saved.append(step + 1)
+    return saved

@@ -17,7 +17,8 @@ import ray
 
 from actors.controller import RunFailed
 from cluster.job import train
-from strategies.checkpoint import latest_checkpoint, load_checkpoint_state
+from strategies.checkpoint import latest_checkpoint
+from strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT
 from tests.helpers import assert_states_close, job, load_model
 from workloads.digits import Digits
@@ -95,10 +96,8 @@ def test_failures_beyond_max_end_the_run_with_a_loadable_checkpoint(tmp_path):
     assert "last checkpoint" in message and "step_00000010" in message
     found = latest_checkpoint(run_dir / "checkpoints")
     assert found.manifest.step == 10
-    state = load_checkpoint_state(found.path)
     model = Digits().build_model()
-    model.load_state_dict(state["model"])
-    assert state["step"] == 10
+    model.load_state_dict(load_full_model_state(found.path))
 
 
 def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference):
@@ -165,3 +164,12 @@ def _wait_until_gone(actor_name: str, timeout_s: float = 30) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"{actor_name} outlived its driver")
+
+
+def test_zero3_worker_killed_restores_lost_shards_from_checkpoint(tmp_path, reference):
+    result, state = run_disturbed(tmp_path, "zero3", "strategy.name=zero3", "checkpoint.every_steps=5",
+                                  "faults=[{action: kill, rank: 1, step: 13}]")
+    assert_same_as_reference(result, state, reference)
+    formed = [e for e in result.events if e["type"] == "generation_formed"]
+    assert formed[1]["state_source"] == "checkpoint" and formed[1]["step"] == 10  # redoes steps 11-12 only
+    assert event_types(result).count("worker_failed") == 1

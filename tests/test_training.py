@@ -71,3 +71,24 @@ def test_readme_main_job_survives_its_killed_worker_and_reaches_accuracy(tmp_pat
     assert result.metrics["accuracy"] >= 0.90
     types = [e["type"] for e in result.events]
     assert types.count("worker_failed") == 1 and "recovered" in types
+
+
+def test_export_command_writes_a_plain_state_dict_with_identical_outputs(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    from tests.conftest import REPO_ROOT
+    from workloads.digits import Digits
+
+    result, run_dir = run(tmp_path, "export", "training.steps=5", "strategy.name=zero3")
+    exported = tmp_path / "exported.pt"
+    done = subprocess.run([sys.executable, "-m", "cluster", "export", result.checkpoint, str(exported)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plain, ours = Digits().build_model(), Digits().build_model()
+    plain.load_state_dict(torch.load(exported, weights_only=True))
+    ours.load_state_dict(load_model(run_dir))
+    inputs = torch.rand(16, 64)
+    assert torch.equal(plain(inputs), ours(inputs))

@@ -1,0 +1,29 @@
+"""``raylastic export CHECKPOINT OUT.pt``: a sharded checkpoint as one plain state-dict file."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "export", help="write a checkpoint's model as a plain state dict",
+        description="Read a checkpoint directory (any strategy, any world size) and write the model's full "
+        "parameters as one torch.save file: torch.load(OUT, weights_only=True) then model.load_state_dict(...).")
+    parser.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_00000300")
+    parser.add_argument("output", help="the .pt file to write")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from strategies.export import export_model
+
+    try:
+        path = export_model(args.checkpoint, args.output)
+    except (ValueError, OSError) as error:
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {error}", highlight=False)
+        return 1
+    print(f"wrote {path}")
+    return 0

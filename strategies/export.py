@@ -1,0 +1,47 @@
+"""Export a sharded checkpoint as one ordinary state-dict file that loads without this project.
+
+Example::
+
+    raylastic export runs/digits/checkpoints/step_00000300 model.pt
+    model.load_state_dict(torch.load("model.pt", weights_only=True))
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from strategies.checkpoint import _reader, read_manifest, verify
+
+MODEL_PREFIX = "model."
+
+
+def load_full_model_state(directory: str) -> dict[str, torch.Tensor]:
+    """The model's full tensors from a checkpoint (any strategy, any world size), in this process."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise ValueError(f"{directory} is not a complete checkpoint (no valid manifest.json)")
+    problem = verify(directory, manifest)
+    if problem is not None:
+        raise ValueError(f"{directory} is damaged: {problem}")
+    reader = _reader(directory)
+    metadata = reader.read_metadata()
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in metadata.state_dict_metadata.items()
+             if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=_reader(directory), no_dist=True)
+    return {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in state.items()}
+
+
+def export_model(directory: str, output: str | Path) -> Path:
+    """Write the checkpoint's model as a plain ``torch.save`` state dict at ``output``."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(load_full_model_state(directory), output)
+    return output

@@ -1,0 +1,182 @@
+"""A real ``ray start --head`` owned by one test module: started in the background, stopped by SIGTERM.
+
+``ray start --head --block`` stops every process it started when it gets SIGTERM (~3 s), so a test
+can own its head node without a broad ``ray stop`` that would end other people's Ray. Every port
+is chosen free (two heads on one machine must not share the dashboard agent's or client
+server's default ports), and the session lives in its own short temp dir, so ``/tmp/ray``'s
+"current cluster" that others' ``--address auto`` reads is left alone; drivers here get the
+address through ``RAY_ADDRESS``.
+
+Token authentication is left to Ray, as for a user: ``ray start --head`` turns it on because a
+token exists at ``~/.ray/auth_token`` (created by ``ray get-auth-token --generate`` or by any
+local ``ray.init``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VENV_BIN = Path(sys.executable).parent
+STOP_TIMEOUT_S = 30.0
+PRESTART_OFF = {"RAY_prestart_worker_first_driver": "0"}
+"""No idle Python workers started ahead of a first driver: fewer processes on a small, shared machine."""
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def auth_token() -> str:
+    """The local token (``ray get-auth-token --generate`` makes one if missing, as a user would)."""
+    path = Path.home() / ".ray" / "auth_token"
+    if not path.is_file():
+        subprocess.run([str(VENV_BIN / "ray"), "get-auth-token", "--generate"], check=True, capture_output=True)
+    return path.read_text().strip()
+
+
+@dataclass
+class RayHead:
+    """A head node's addresses and the environment a client on this machine uses with it."""
+
+    process: subprocess.Popen
+    temp_dir: str
+    gcs_address: str
+    dashboard_url: str
+    metrics_port: int
+    log_path: Path
+    descendants: dict[int, str] = field(default_factory=dict)
+    """Processes the head started: pid -> start time (so a reused pid is never signalled)."""
+
+    def client_env(self, *, driver: bool = True, **extra: str) -> dict[str, str]:
+        """This process's environment, the venv's bin first on PATH; for a driver, RAY_ADDRESS set to the head
+        (the ``ray job`` CLI must not have it: it would take that GCS address for the job server's)."""
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+        env.update(PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", CI="true", **extra)
+        if driver:
+            env["RAY_ADDRESS"] = self.gcs_address
+        return env
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_head(num_cpus: int = 2, *, extra_env: dict[str, str] | None = None, timeout_s: float = 90.0) -> RayHead:
+    """``ray start --head --block`` on free ports, 127.0.0.1 dashboard; returns once it is up."""
+    auth_token()
+    gcs, dashboard, metrics, client, agent = free_ports(5)
+    temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    log_path = Path(temp_dir) / "head.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"  # as with the venv activated: jobs run its python
+    env.update(PRESTART_OFF, **(extra_env or {}))
+    command = [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--port={gcs}",
+               "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}",
+               f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+               f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    head = RayHead(process=process, temp_dir=temp_dir, gcs_address="", metrics_port=metrics, log_path=log_path,
+                   dashboard_url=f"http://127.0.0.1:{dashboard}")
+    deadline = time.monotonic() + timeout_s
+    while "Ray runtime started" not in head.log():
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_head(head)
+            raise RuntimeError(f"ray start --head did not come up:\n{head.log()[-3000:]}")
+        time.sleep(0.5)
+    found = re.search(r"--address='([^']+)'", re.sub(r"\x1b\[[0-9;]*m", "", head.log()))
+    head.gcs_address = found.group(1) if found else f"127.0.0.1:{gcs}"
+    head.descendants = _descendants(process.pid)
+    return head
+
+
+def stop_head(head: RayHead) -> None:
+    """SIGTERM to the ``ray start --block`` process (it stops its children); SIGKILL what we started if stuck."""
+    head.descendants.update(_descendants(head.process.pid))
+    if head.process.poll() is None:
+        head.process.send_signal(signal.SIGTERM)
+        try:
+            head.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            head.process.kill()
+            head.process.wait()
+    deadline = time.monotonic() + 10
+    while (left := [p for p, started in head.descendants.items() if _start_time(p) == started]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:  # still there after the head stopped: ours, so ours to end
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses on which a TCP socket listens on ``port`` (from /proc/net/tcp and tcp6)."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # kernel byte order per word
+                found.add(socket.inet_ntop(socket.AF_INET if width == 8 else socket.AF_INET6, words))
+    return found
+
+
+def session_processes(session_suffix: str) -> dict[int, str]:
+    """pid -> command line of the processes whose command line names a Ray session ending in ``session_suffix``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if re.search(rf"session_[\d_-]+{re.escape(session_suffix)}\b", command):
+                found[int(entry.name)] = command
+    return found
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> start time of every process below ``root`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid in [p for p, pp in parents.items() if pp == parent]:
+            if (started := _start_time(pid)) is not None:
+                found[pid] = started
+                frontier.append(pid)
+    return found
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
