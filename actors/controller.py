@@ -63,7 +63,8 @@ class RunFailed(RuntimeError):
 
 
 class Controller:
-    def __init__(self, job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None = None) -> None:
+    def __init__(self, job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None = None,
+                 profile_dir: str | None = None) -> None:
         self.job = job
         self.log = RunLog()
         self.metrics = RunMetrics(job.name)
@@ -78,7 +79,7 @@ class Controller:
         self.replicated = build_strategy(job.strategy).replicated
         spec = WorkerSpec(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
                           use_gpu=scaling.use_gpu, torch_threads=max(1, int(scaling.cpus_per_worker)),
-                          checkpointer=self.checkpointer)
+                          checkpointer=self.checkpointer, profile_dir=profile_dir)
         shape = SlotShape(cpus=scaling.cpus_per_worker, gpus=int(scaling.use_gpu),
                           custom=dict(scaling.resources_per_worker))
         slots = (ReservedSlots(reserved.placement_group, list(reserved.bundle_indices), shape) if reserved
@@ -258,7 +259,7 @@ class Controller:
         members, world_size = list(self.members), self.membership.size
         reports = ray.get([m.actor.join.remote(GroupAssignment(
             generation=self.generation, rank=rank, world_size=world_size, store_host=self.node_ip,
-            store_port=self.store.port, timeout_s=self.job.failure.collective_timeout_s))
+            store_port=self.store.port, timeout_s=self.job.failure.collective_timeout_s, run_step=self.step))
             for rank, m in enumerate(members)])
         for member, report in zip(members, reports, strict=True):
             member.node_id = report.node_id

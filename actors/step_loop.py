@@ -36,6 +36,14 @@ class StepResult:
     """Wall-clock time (time.time()) when the step was committed."""
     sample_ids: tuple[int, ...] | None = None
     """The dataset indices all ranks trained on in this step, gathered (when samples are recorded)."""
+    bytes_sent: int = 0
+    """Gradient bytes this rank put on the wire (its payloads), and what float32 would have been."""
+    uncompressed_bytes: int = 0
+    comm_s: float = 0.0
+    """Time buckets spent in communication, and the part of it backward did not hide."""
+    exposed_comm_s: float = 0.0
+    skipped: bool = False
+    """fp16: the loss scaler found inf/nan gradients and skipped the optimizer step."""
 
 
 def gather_batch(dataset: Dataset, indices: torch.Tensor, device: torch.device) -> tuple:
@@ -58,6 +66,9 @@ class StepRunner:
     micro_batch_size: int | None
     device: torch.device
     record_samples: bool = False
+    precision: str = "fp32"
+    scaler: torch.amp.GradScaler | None = None
+    """fp16 only: dynamic loss scaling (its state lives across steps and generations)."""
 
     def run(self, state: TrainState, step_index: int, *, stop_vote: bool) -> StepResult:
         """Train on step ``step_index`` (0-based) and commit it; collectives fail if a peer is lost."""
@@ -71,21 +82,43 @@ class StepRunner:
         for position, chunk in enumerate(chunks):
             inputs, targets = gather_batch(self.dataset, chunk, self.device)
             last = position == len(chunks) - 1
-            with contextlib.nullcontext() if last else self.strategy.no_sync(state):
+            with contextlib.nullcontext() if last else self.strategy.no_sync(state), self._autocast():
                 loss = self.workload.loss_sum(state.wrapped(inputs), targets)
-                (loss * scale).backward()
+            scaled = loss.float() * scale
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().double().cpu()  # a device sync point, once per micro-batch
+        backward_returned = time.perf_counter()
         reduced = torch.stack([loss_sum, torch.tensor(float(len(indices)), dtype=torch.float64),
                                torch.tensor(1.0 if stop_vote else 0.0, dtype=torch.float64)])
         consumed = self._gather_sample_ids(indices, world_size) if self.record_samples else None
         reduced = reduced.to(self.device)
         dist.all_reduce(reduced)  # a peer lost during this step fails here or earlier: step discarded
-        state.optimizer.step()
+        skipped = self._optimizer_step(state.optimizer)
         loss_total, samples, stop_votes = reduced.tolist()
+        traffic = state.comm.state.take_traffic() if state.comm else None
+        timing = state.comm.timer.take(backward_returned) if state.comm else None
         return StepResult(step=step_index + 1, loss=loss_total / samples, samples=int(samples),
                           duration_s=time.perf_counter() - started, stop_requested=stop_votes > 0,
-                          finished_at=time.time(),
-                          sample_ids=consumed)
+                          finished_at=time.time(), sample_ids=consumed, skipped=skipped,
+                          bytes_sent=traffic.bytes_sent if traffic else 0,
+                          uncompressed_bytes=traffic.uncompressed_bytes if traffic else 0,
+                          comm_s=timing.comm_s if timing else 0.0,
+                          exposed_comm_s=timing.exposed_comm_s if timing else 0.0)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step (through the loss scaler for fp16); True if the scaler skipped the step."""
+        if self.scaler is None:
+            optimizer.step()
+            return False
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() < scale_before
 
     def _gather_sample_ids(self, indices: torch.Tensor, world_size: int) -> tuple[int, ...]:
         """Every rank's sample ids of this step, in rank order, as each rank reports them (the ledger)."""

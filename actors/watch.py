@@ -126,7 +126,10 @@ class Watcher:
         for result in status.results:
             log.add_step(result.step, result.finished_at, loss=result.loss,
                          samples_per_s=round(result.samples / result.duration_s, 2),
-                         world_size=len(controller.members))
+                         world_size=len(controller.members), bytes_sent=result.bytes_sent,
+                         uncompressed_bytes=result.uncompressed_bytes, step_s=round(result.duration_s, 5),
+                         comm_s=round(result.comm_s, 5), exposed_comm_s=round(result.exposed_comm_s, 5),
+                         **({"skipped": True} if result.skipped else {}))
             if result.sample_ids is not None:
                 log.add_samples(result.step, result.sample_ids)
             if result.step > controller.step:

@@ -16,6 +16,7 @@ Lifecycle (each call from the Controller, on every member together)::
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -23,7 +24,7 @@ import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import ray
 import torch
@@ -34,7 +35,7 @@ from actors.faults import fire
 from actors.step_loop import StepResult, StepRunner
 from cluster.config import FaultConfig, OptimConfig, StrategyConfig, TrainingConfig, WorkloadConfig
 from strategies import build_strategy
-from strategies.base import TrainState, init_optimizer_state, memory_breakdown
+from strategies.base import GroupContext, TrainState, init_optimizer_state, memory_breakdown
 from strategies.checkpoint import Checkpointer, load_into
 from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group, leave_group
 from strategies.state_transfer import broadcast_training_state
@@ -54,6 +55,8 @@ class WorkerSpec:
     use_gpu: bool
     torch_threads: int
     checkpointer: Checkpointer
+    profile_dir: str | None = None
+    """Where rank 0 writes its torch profiler trace when training.profile_steps > 0."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,8 @@ class TrainWorker:
             workload=self.workload, dataset=dataset, strategy=self.strategy,
             order=GlobalSampleOrder(len(dataset), spec.training.global_batch_size, spec.training.seed),
             micro_batch_size=spec.training.micro_batch_size, device=self.device,
-            record_samples=spec.training.record_samples)
+            record_samples=spec.training.record_samples, precision=spec.training.precision,
+            scaler=torch.amp.GradScaler("cuda") if spec.training.precision == "fp16" else None)
         self.state: TrainState | None = None
         self.step = 0
         self.checkpoint_group: dist.ProcessGroup | None = None
@@ -107,6 +111,7 @@ class TrainWorker:
         self._error: str | None = None
         self._stop_vote = threading.Event()
         self._thread: threading.Thread | None = None
+        self._profiled = False
 
     def pid(self) -> int:
         return os.getpid()
@@ -121,9 +126,14 @@ class TrainWorker:
         gc.collect()  # the old DDP's reducer and its autograd hooks on our parameters must be gone
         join_group(assignment, self.backend)
         self.checkpoint_group = dist.new_group(backend="gloo")  # async saves must not share the training group
+        node_ids: list[str] = [""] * assignment.world_size
+        dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id(), group=self.checkpoint_group)
+        context = GroupContext(node_ids=tuple(node_ids), completed_steps=assignment.run_step)
         if previous is None:
             torch.manual_seed(self.spec.training.seed)  # identical initialisation on every rank
-        self.state = self.strategy.setup(self._build_model, self.build_optimizer, self.device, previous)
+        self.state = self.strategy.setup(self._build_model, self.build_optimizer, self.device, previous, context)
+        if self.spec.training.compile:
+            self.state.wrapped = torch.compile(self.state.wrapped)
         if previous is None and not self.strategy.replicated:
             self.step = 0
         self._phase, self._error = "idle", None
@@ -221,27 +231,48 @@ class TrainWorker:
 
     def _loop(self, until_step: int, faults: tuple[FaultConfig, ...]) -> None:
         try:
-            while self.step < until_step:
-                for fault in faults:
-                    if fault.step == self.step + 1 and fault.action == "ray_kill":
-                        self._phase = "awaiting_kill"  # the Controller sees it and ray.kill()s this actor
-                        threading.Event().wait()
-                    elif fault.step == self.step + 1:
-                        fire(fault)
-                result = self.runner.run(self.state, self.step, stop_vote=self._stop_vote.is_set())
-                with self._lock:
-                    self.step = result.step
-                    self._results.append(result)
-                if self.spec.checkpointer.due(self.step):
-                    self._wait_for_save()
-                    self._start_save()
-                if result.stop_requested:
-                    self._phase = "stopped"
-                    return
-            self._phase = "finished"
+            with self._profiler() as profiler:
+                self._steps(until_step, faults, profiler)
         except Exception as error:  # noqa: BLE001 - any failure is reported to the Controller
             self._error = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}"
             self._phase = "failed"
+
+    def _steps(self, until_step: int, faults: tuple[FaultConfig, ...], profiler: Any) -> None:
+        compiling = self.spec.training.compile
+        while self.step < until_step:
+            for fault in faults:
+                if fault.step == self.step + 1 and fault.action == "ray_kill":
+                    self._phase = "awaiting_kill"  # the Controller sees it and ray.kill()s this actor
+                    threading.Event().wait()
+                elif fault.step == self.step + 1:
+                    fire(fault)
+            result = self.runner.run(self.state, self.step, stop_vote=self._stop_vote.is_set())
+            with self._lock:
+                self.step = result.step
+                self._results.append(result)
+                if compiling:  # torch.compile compiles lazily, in the generation's first step
+                    self._events.append({"type": "compiled", "step": self.step,
+                                         "first_step_s": round(result.duration_s, 3)})
+                    compiling = False
+            if profiler is not None:
+                profiler.step()
+            if self.spec.checkpointer.due(self.step):
+                self._wait_for_save()
+                self._start_save()
+            if result.stop_requested:
+                self._phase = "stopped"
+                return
+        self._phase = "finished"
+
+    def _profiler(self) -> contextlib.AbstractContextManager:
+        """Rank 0 traces ``training.profile_steps`` steps once per run (after 1 wait + 1 warm-up step)."""
+        steps = self.spec.training.profile_steps
+        if not steps or self._profiled or dist.get_rank() != 0 or self.spec.profile_dir is None:
+            return contextlib.nullcontext()
+        self._profiled = True
+        schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1)
+        return torch.profiler.profile(schedule=schedule,
+                                      on_trace_ready=torch.profiler.tensorboard_trace_handler(self.spec.profile_dir))
 
     def _wait_for_loop(self) -> None:
         if self._thread is not None:

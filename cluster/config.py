@@ -21,6 +21,8 @@ from typing import Any, Literal
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 OPTIMIZERS = ("adamw", "sgd")
 FAULT_ACTIONS = ("kill", "ray_kill", "stall", "raise", "remove_node")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk", "onebit", "int8")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None:
@@ -66,6 +68,12 @@ class TrainingConfig:
     """Seeds the model's initialisation and the per-epoch sample permutation."""
     record_samples: bool = False
     """Record which samples every rank consumed in each committed step: result.json's "ledger"."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """bf16: autocast on CPU and GPU; fp16: autocast with dynamic loss scaling, GPU only."""
+    compile: bool = False
+    """torch.compile the model (kernel fusion); the first step then includes the compile time."""
+    profile_steps: int = 0
+    """Trace this many steps (from step 3) with the torch profiler on rank 0, for TensorBoard."""
 
     def __post_init__(self) -> None:
         _require(_positive_int(self.steps), "training.steps", "a positive integer", self.steps)
@@ -77,6 +85,11 @@ class TrainingConfig:
                  self.seed)
         _require(isinstance(self.record_samples, bool), "training.record_samples", "true or false",
                  self.record_samples)
+        _require(self.precision in PRECISIONS, "training.precision", f"one of {', '.join(PRECISIONS)}",
+                 self.precision)
+        _require(isinstance(self.compile, bool), "training.compile", "true or false", self.compile)
+        _require(_non_negative_int(self.profile_steps), "training.profile_steps", "a non-negative integer",
+                 self.profile_steps)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,12 +122,42 @@ class StrategyConfig:
     offload: bool = False
     """zero2/zero3: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
     CPUOffloadPolicy); meaningful on GPUs only."""
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk", "onebit", "int8"] = "none"
+    """ddp gradient compression (a DDP comm hook): 16-bit, PowerSGD, top-k or 1-bit with error
+    feedback, or 8-bit with a per-bucket scale."""
+    powersgd_rank: int = 4
+    """PowerSGD's approximation rank."""
+    powersgd_start_iter: int = 10
+    """Uncompressed iterations before PowerSGD starts, per generation (>= 2)."""
+    topk_fraction: float = 0.01
+    """Fraction of each bucket's entries top-k sends, in (0, 1]."""
+    onebit_warmup_steps: int = 50
+    """Full-precision steps before 1-bit compression starts."""
+    hierarchical: bool = False
+    """ddp: reduce inside each node, all-reduce among one leader per node, broadcast back (node
+    membership from Ray's node ids, re-derived at every generation). Not combinable with compression."""
 
     def __post_init__(self) -> None:
         _require(self.name in STRATEGIES, "strategy.name", f"one of {', '.join(STRATEGIES)}", self.name)
         _require(_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "strategy.bucket_cap_mb",
                  "a positive number of MiB", self.bucket_cap_mb)
         _require(isinstance(self.offload, bool), "strategy.offload", "true or false", self.offload)
+        _require(self.compression in COMPRESSIONS, "strategy.compression", f"one of {', '.join(COMPRESSIONS)}",
+                 self.compression)
+        _require(isinstance(self.hierarchical, bool), "strategy.hierarchical", "true or false", self.hierarchical)
+        for name, value in (("compression", self.compression != "none"), ("hierarchical", self.hierarchical)):
+            if value and self.name != "ddp":
+                raise ValueError(f"strategy.{name} works with strategy.name=ddp only, got {self.name!r}")
+        if self.hierarchical and self.compression != "none":
+            raise ValueError("strategy.hierarchical and strategy.compression cannot be combined (DDP takes one "
+                             f"communication hook), got compression={self.compression!r}")
+        _require(_positive_int(self.powersgd_rank), "strategy.powersgd_rank", "a positive integer", self.powersgd_rank)
+        _require(_non_negative_int(self.powersgd_start_iter) and self.powersgd_start_iter >= 2,
+                 "strategy.powersgd_start_iter", "an integer >= 2", self.powersgd_start_iter)
+        _require(_number(self.topk_fraction) and 0 < self.topk_fraction <= 1, "strategy.topk_fraction",
+                 "a number in (0, 1]", self.topk_fraction)
+        _require(_non_negative_int(self.onebit_warmup_steps), "strategy.onebit_warmup_steps",
+                 "a non-negative integer", self.onebit_warmup_steps)
         if self.offload and self.name not in ("zero2", "zero3"):
             raise ValueError(f"strategy.offload needs strategy.name zero2 or zero3, got {self.name!r}")
 
@@ -233,6 +276,12 @@ class JobConfig:
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and self.name.replace("-", "").replace("_", "").isalnum(),
                  "name", "letters, digits, '-' and '_'", self.name)
+        if self.training.precision == "fp16" and not self.scaling.use_gpu:
+            raise ValueError("training.precision=fp16 needs scaling.use_gpu=true: fp16 with dynamic loss scaling "
+                             "is for GPUs; on CPUs use training.precision=bf16")
+        if self.training.precision == "fp16" and self.strategy.name != "ddp":
+            raise ValueError(f"training.precision=fp16 works with strategy.name=ddp only (its loss scaler checks "
+                             f"whole gradients), got {self.strategy.name!r}; use bf16")
         batch = self.training.global_batch_size
         if batch < self.scaling.max_workers:
             raise ValueError(f"training.global_batch_size ({batch}) cannot be split across "

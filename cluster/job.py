@@ -25,6 +25,7 @@ import torch
 from actors.controller import ControllerActor, ReservedBundles, RunFailed, RunResult, default_checkpoint_root
 from cluster.config import JobConfig
 from cluster.connect import ray_session
+from cluster.tensorboard import TensorBoardLog
 from workloads import resolve_workload_class
 
 ProgressCallback = Callable[[dict[str, Any]], None]
@@ -42,22 +43,32 @@ def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | N
     run_dir = Path(run_dir or Path("runs") / job.name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_root = job.checkpoint.path or default_checkpoint_root(run_dir)
+    profile_dir = str(run_dir / "profile") if job.training.profile_steps else None
+    tensorboard = TensorBoardLog(run_dir)
+
+    def follow(progress: dict[str, Any]) -> None:
+        tensorboard.update(progress)
+        if on_progress is not None:
+            on_progress(progress)
+
     with ray_session(address, min_cpus=job.scaling.max_workers * job.scaling.cpus_per_worker):
-        controller = _start_controller(job, checkpoint_root, reserved)
+        controller = _start_controller(job, checkpoint_root, reserved, profile_dir)
         try:
-            result = _follow(controller, on_progress or (lambda _: None))
+            result = _follow(controller, follow)
         except RunFailed as error:
             _write_result(run_dir, job, status="failed", error=str(error),
                           progress=ray.get(controller.progress.remote()))
             raise
         finally:
             ray.kill(controller)
+            tensorboard.close()
     _write_result(run_dir, job, status="finished", result=result)
     torch.save(result.model_state, run_dir / "model.pt")
     return result
 
 
-def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None) -> Any:
+def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None,
+                      profile_dir: str | None) -> Any:
     name = f"raylastic:{job.name}:controller"
     try:
         ray.get_actor(name)
@@ -67,7 +78,8 @@ def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBu
         raise RunFailed(f"a run named {job.name!r} is already running on this cluster (actor {name}); "
                         "choose another name")
     # The Controller itself is never placed in a trial's bundles: it takes no resources.
-    return ControllerActor.options(name=name, scheduling_strategy="DEFAULT").remote(job, checkpoint_root, reserved)
+    return ControllerActor.options(name=name, scheduling_strategy="DEFAULT").remote(job, checkpoint_root, reserved,
+                                                                                 profile_dir)
 
 
 def _follow(controller: Any, on_progress: ProgressCallback) -> RunResult:

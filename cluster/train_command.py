@@ -16,6 +16,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--address", help="Ray cluster to use ('auto' after `ray start --head`); "
                         "default: start a local instance for this run")
     parser.add_argument("--run-dir", help="where result.json, model.pt and checkpoints go (default: runs/<name>)")
+    parser.add_argument("--profile", action="store_true", help="trace 5 steps with the torch profiler on rank 0 "
+                        "into <run dir>/profile (open with TensorBoard); same as --set training.profile_steps=5")
     parser.set_defaults(run=run)
 
 
@@ -31,7 +33,8 @@ def load_job_or_report(args: argparse.Namespace, console: Console):
     from workloads import resolve_workload_class
 
     try:
-        job = load_job_config(args.config, args.overrides)
+        overrides = [*args.overrides, *(["training.profile_steps=5"] if getattr(args, "profile", False) else [])]
+        job = load_job_config(args.config, overrides)
         resolve_workload_class(job.workload.name)
         return job
     except ValueError as error:

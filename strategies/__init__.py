@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cluster.config import StrategyConfig
 from strategies.base import Strategy
+from strategies.compression import CompressionOptions
 from strategies.ddp import DDPStrategy
 from strategies.fsdp import FSDPStrategy
 from strategies.zero1 import Zero1Strategy
@@ -12,7 +13,10 @@ from strategies.zero1 import Zero1Strategy
 def build_strategy(config: StrategyConfig) -> Strategy:
     """The strategy for ``config.name``; it sees only its own config."""
     if config.name == "ddp":
-        return DDPStrategy(bucket_cap_mb=config.bucket_cap_mb)
+        options = CompressionOptions(powersgd_rank=config.powersgd_rank, powersgd_start_iter=config.powersgd_start_iter,
+                                     topk_fraction=config.topk_fraction, onebit_warmup_steps=config.onebit_warmup_steps)
+        return DDPStrategy(bucket_cap_mb=config.bucket_cap_mb, compression=config.compression,
+                           compression_options=options, hierarchical=config.hierarchical)
     if config.name == "zero1":
         return Zero1Strategy(bucket_cap_mb=config.bucket_cap_mb)
     if config.name in ("zero2", "zero3"):

@@ -26,6 +26,24 @@ ModelFactory = Callable[[], torch.nn.Module]
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
+@dataclass(frozen=True)
+class GroupContext:
+    """What a strategy may need to know about the generation it is set up for (same on every rank)."""
+
+    node_ids: tuple[str, ...]
+    """The Ray node id of every rank, indexed by rank."""
+    completed_steps: int
+    """Optimizer steps the run has committed (e.g. whether 1-bit compression is past its warm-up)."""
+
+
+@dataclass
+class CommInstruments:
+    """A DDP communication hook's state (bytes sent) and its timer (overlap)."""
+
+    state: Any
+    timer: Any
+
+
 @dataclass
 class TrainState:
     """What one worker trains with in the current generation."""
@@ -35,6 +53,8 @@ class TrainState:
     wrapped: torch.nn.Module
     """What forward is called on: a DDP wrapper for ddp/zero1, the module itself otherwise."""
     optimizer: torch.optim.Optimizer
+    comm: CommInstruments | None = None
+    """Set when a timed communication hook is registered (ddp at world size > 1)."""
 
 
 class Strategy(Protocol):
@@ -44,7 +64,7 @@ class Strategy(Protocol):
     over in memory; False when state is sharded and a lost shard must come from a checkpoint."""
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
-              previous: TrainState | None) -> TrainState:
+              previous: TrainState | None, context: GroupContext) -> TrainState:
         """The state for the current process group; ``previous`` is the last generation's (or None)."""
         ...
 

@@ -9,7 +9,6 @@ DDP averages gradients over the world size; the step loop scales each rank's sum
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,23 +17,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from strategies.base import ModelFactory, OptimizerFactory, TrainState
+from strategies.base import CommInstruments, GroupContext, ModelFactory, OptimizerFactory, TrainState
+from strategies.compression import CompressionOptions, make_comm_hook
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
+from strategies.hierarchical import make_hierarchical_hook
+from strategies.overlap import CommTimer
 
-CommHookFactory = Callable[[], tuple[Any, Callable]]
 
-
-def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_cap_mb: float,
-             comm_hook: CommHookFactory | None = None) -> torch.nn.Module:
+def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_cap_mb: float) -> torch.nn.Module:
     """``model`` in a DDP for the current process group; the model itself at world size 1."""
     if dist.get_world_size() == 1:
         return model
-    wrapped = DistributedDataParallel(
+    return DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb,
         init_sync=False)  # state is handed over explicitly, from the most advanced rank
-    if comm_hook is not None:
-        wrapped.register_comm_hook(*comm_hook())
-    return wrapped
 
 
 def ddp_no_sync(wrapped: torch.nn.Module) -> AbstractContextManager:
@@ -46,21 +42,34 @@ def ddp_no_sync(wrapped: torch.nn.Module) -> AbstractContextManager:
 @dataclass(frozen=True, kw_only=True)
 class DDPStrategy:
     bucket_cap_mb: float = 25.0
-    comm_hook: CommHookFactory | None = field(default=None, compare=False)
-    """Builds a fresh (state, hook) pair for each generation's DDP (gradient compression)."""
+    compression: str = "none"
+    """A kind from strategies.compression ("none": plain all-reduce, still timed and counted)."""
+    compression_options: CompressionOptions = field(default_factory=CompressionOptions)
+    hierarchical: bool = False
     name: str = "ddp"
     replicated: bool = True
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
-              previous: TrainState | None) -> TrainState:
-        """Keeps the previous generation's model and optimizer (survivors keep their state)."""
+              previous: TrainState | None, context: GroupContext) -> TrainState:
+        """Keeps the previous generation's model and optimizer (survivors keep their state); the DDP
+        and its communication hook are new, so error-feedback buffers start at zero on every rank."""
         if previous is None:
             model = build_model()
             optimizer = build_optimizer(list(model.parameters()))
         else:
             model, optimizer = previous.model, previous.optimizer
-        return TrainState(model=model, wrapped=wrap_ddp(model, device, self.bucket_cap_mb, self.comm_hook),
-                          optimizer=optimizer)
+        wrapped = wrap_ddp(model, device, self.bucket_cap_mb)
+        comm = None
+        if isinstance(wrapped, DistributedDataParallel):
+            if self.hierarchical:
+                hook = make_hierarchical_hook(list(context.node_ids))
+            else:
+                hook = make_comm_hook(self.compression, options=self.compression_options,
+                                      completed_steps=context.completed_steps)
+            timer = CommTimer()
+            wrapped.register_comm_hook(hook.state, timer.wrap(hook.hook))
+            comm = CommInstruments(state=hook.state, timer=timer)
+        return TrainState(model=model, wrapped=wrapped, optimizer=optimizer, comm=comm)
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return ddp_no_sync(state.wrapped)

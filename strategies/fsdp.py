@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
-from strategies.base import ModelFactory, OptimizerFactory, TrainState
+from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -37,7 +37,7 @@ class FSDPStrategy:
     replicated: bool = False
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
-              previous: TrainState | None) -> TrainState:
+              previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
         """A fresh model sharded over the current group: sharded state cannot outlive its group."""
         model = build_model()
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))

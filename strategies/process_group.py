@@ -24,6 +24,8 @@ class GroupAssignment:
     store_host: str
     store_port: int
     timeout_s: float
+    run_step: int = 0
+    """Steps the run had committed when this generation was formed (the same on every rank)."""
 
 
 def choose_backend(use_gpu: bool) -> str:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from strategies.base import ModelFactory, OptimizerFactory, TrainState
+from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState
 from strategies.ddp import ddp_no_sync, wrap_ddp
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
 
@@ -86,7 +86,7 @@ class Zero1Strategy:
     replicated: bool = False
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
-              previous: TrainState | None) -> TrainState:
+              previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
         """Keeps the model (replicated); the optimizer's shards depend on the group, so it is rebuilt."""
         model = previous.model if previous is not None else build_model()
         optimizer = ShardedOptimizer(list(model.parameters()), build_optimizer, device)
