@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import torch
 
 from actors.controller import ControllerActor, ReservedBundles, RunFailed, RunResult, default_checkpoint_root
@@ -77,9 +78,11 @@ def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBu
     else:
         raise RunFailed(f"a run named {job.name!r} is already running on this cluster (actor {name}); "
                         "choose another name")
-    # The Controller itself is never placed in a trial's bundles: it takes no resources.
-    return ControllerActor.options(name=name, scheduling_strategy="DEFAULT").remote(job, checkpoint_root, reserved,
-                                                                                 profile_dir)
+    # The Controller runs beside the driver (it shares the driver's fate anyway), never on a worker
+    # node that may leave, and never inside a Tune trial's bundles: it takes no resources.
+    beside_driver = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return ControllerActor.options(name=name, scheduling_strategy=beside_driver).remote(
+        job, checkpoint_root, reserved, profile_dir)
 
 
 def _follow(controller: Any, on_progress: ProgressCallback) -> RunResult:
