@@ -173,3 +173,28 @@ def test_zero3_worker_killed_restores_lost_shards_from_checkpoint(tmp_path, refe
     formed = [e for e in result.events if e["type"] == "generation_formed"]
     assert formed[1]["state_source"] == "checkpoint" and formed[1]["step"] == 10  # redoes steps 11-12 only
     assert event_types(result).count("worker_failed") == 1
+
+
+def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
+    run_dir = tmp_path / "interrupted"
+    command = [sys.executable, "-m", "cluster", "train", "--run-dir", str(run_dir),
+               "--address", ray.get_runtime_context().gcs_address]
+    for override in ["name=interrupted", "training.steps=400", "scaling.cpus_per_worker=0.5",
+                     "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.05}"]:
+        command += ["--set", override]
+    driver = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "CI": "true"})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor("raylastic:interrupted:worker2")
+            break
+        except ValueError:
+            time.sleep(0.2)
+    time.sleep(3)  # training
+    driver.send_signal(signal.SIGINT)
+    _, stderr = driver.communicate(timeout=60)
+    assert driver.returncode == 1
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    for name in ("controller", "worker1", "worker2"):
+        _wait_until_gone(f"raylastic:interrupted:{name}")
