@@ -6,8 +6,9 @@ is on storage: temp file, fsync, rename. A directory without a valid manifest, o
 do not match the manifest's sizes and SHA-256 checksums, is never loaded: the loader falls
 back to the previous complete checkpoint. The state dict is the strategies' canonical layout
 (strategies/base.py), so a checkpoint saved by any strategy at any world size loads into any
-other. DCP stores tensors, not pickled objects. ``root`` is a local or shared path, or an
-fsspec URL (``s3://bucket/run``, ``memory://`` ...).
+other. DCP stores tensors; its small pickled ``.metadata`` is read with an unpickler that allows
+only DCP's own metadata classes, so loading a checkpoint cannot run arbitrary code. ``root`` is a
+local or shared path, or an fsspec URL (``s3://bucket/run``, ``memory://`` ...).
 
 Example (every rank calls, in the same order)::
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
@@ -35,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "dcp-v1"
@@ -232,8 +235,42 @@ def _writer(directory: str) -> FileSystemWriter | FsspecWriter:
     return FileSystemWriter(directory, sync_files=True) if _is_local(directory) else FsspecWriter(directory)
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP pickles its ``.metadata``; unpickle only the plain classes that file is made of, so a
+    planted checkpoint cannot run code (the manifest's checksums cannot help if it is planted too)."""
+
+    ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or (module, name) in self.ALLOWED or module == "torch.distributed.checkpoint.metadata":
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+class _SafeMetadata:
+    """Mixed into DCP's readers: read ``.metadata`` with the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    pass
+
+
+class _SafeFsspecReader(_SafeMetadata, FsspecReader):
+    pass
+
+
 def _reader(directory: str) -> FileSystemReader | FsspecReader:
-    return FileSystemReader(directory) if _is_local(directory) else FsspecReader(directory)
+    return _SafeFileSystemReader(directory) if _is_local(directory) else _SafeFsspecReader(directory)
 
 
 def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:

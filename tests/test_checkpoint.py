@@ -110,3 +110,23 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path, 
     found, _ = newest_loadable(str(tmp_path))
     assert found.manifest.step == 1
     assert load_full_model_state(found.path)["w"].shape == (4,)
+
+
+def test_checkpoint_metadata_that_would_run_code_is_refused(two_checkpoints, tmp_path):
+    import pickle
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    newest = complete_checkpoints(str(two_checkpoints))[-1]
+    (Path(newest.path) / ".metadata").write_bytes(pickle.dumps(Planted()))
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        _read_metadata(newest.path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def _read_metadata(directory: str):
+    from strategies.checkpoint import _reader
+
+    return _reader(directory).read_metadata()
