@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.controller import ControllerActor, ReservedBundles, RunFailed, RunResult, default_checkpoint_root
 from cluster.config import JobConfig

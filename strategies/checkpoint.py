@@ -224,15 +224,15 @@ def _same_scheme(root: str, path: str) -> str:
     protocol, sep, _ = str(root).partition("://")
     if not sep:
         return path
-    return path if "://" in path else f"{protocol}://{path.lstrip('/') if protocol != 'memory' else path}"
+    return path if "://" in path else f"{protocol}://{path}"
 
 
-def _is_local(url: str) -> bool:
-    return isinstance(_filesystem(url)[0], LocalFileSystem)
+def _is_url(path: str) -> bool:
+    return "://" in str(path)
 
 
 def _writer(directory: str) -> FileSystemWriter | FsspecWriter:
-    return FileSystemWriter(directory, sync_files=True) if _is_local(directory) else FsspecWriter(directory)
+    return FsspecWriter(directory) if _is_url(directory) else FileSystemWriter(directory, sync_files=True)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -270,7 +270,7 @@ class _SafeFsspecReader(_SafeMetadata, FsspecReader):
 
 
 def _reader(directory: str) -> FileSystemReader | FsspecReader:
-    return _SafeFileSystemReader(directory) if _is_local(directory) else _SafeFsspecReader(directory)
+    return _SafeFsspecReader(directory) if _is_url(directory) else _SafeFileSystemReader(directory)
 
 
 def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:

@@ -130,3 +130,12 @@ def _read_metadata(directory: str):
     from strategies.checkpoint import _reader
 
     return _reader(directory).read_metadata()
+
+
+def test_checkpoints_go_through_fsspec_urls(tmp_path):
+    root = f"file://{tmp_path}/remote"
+    saved = run_distributed(train_with_saves, 2, "zero3", 2, root, 1, timeout_s=120)[0]
+    assert saved == [1, 2]
+    found, rejected = newest_loadable(root)
+    assert found.path == f"{root}/step_00000002" and rejected == []
+    assert load_full_model_state(found.path)
