@@ -113,7 +113,7 @@ class Controller:
                     try:
                         return self._finish()
                     except ray.exceptions.RayActorError:  # a member died at the very end: recover, finish again
-                        dead = [m for m in self.members if not _alive(m)]
+                        dead = _dead(self.members)
                         outcome = WorkersFailed([(m, "died while the run was finishing") for m in dead])
                 if isinstance(outcome, Interrupted):
                     raise RunFailed(f"run stopped by the user at step {self.step}{self._checkpoint_note()}")
@@ -248,7 +248,7 @@ class Controller:
             try:
                 return self._try_form_generation()
             except ray.exceptions.RayError as error:
-                dead = [m for m in self.members if not _alive(m)]
+                dead = _dead(self.members)
                 if not dead:
                     raise RunFailed(f"generation {self.generation} could not form: {error}") from None
                 self._recover(WorkersFailed([(m, "died while the group was forming") for m in dead]))
@@ -305,7 +305,7 @@ class Controller:
         path = ray.get([a.save_checkpoint.remote() for a in actors])[0]
         self.log.event("checkpointed", self.step, path=path, reason="end of run")
         history = self.log.history()
-        metrics = {"loss": history[-1]["loss"] if history else float("nan"), **metrics}
+        metrics = {**({"loss": history[-1]["loss"]} if history else {}), **metrics}  # none when resumed at the end
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})
         return RunResult(final_step=self.step, metrics=metrics, history=history, events=self.log.events(),
                          model_state=model_state, checkpoint=path, memory=memory,
@@ -318,12 +318,19 @@ class Controller:
         return f"; last checkpoint: {found.path} (step {found.manifest.step})"
 
 
-def _alive(member: Member) -> bool:
-    try:
-        ray.get(member.actor.pid.remote(), timeout=5)
-        return True
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return False
+def _dead(members: list[Member], timeout_s: float = 5.0) -> list[Member]:
+    """Members that are gone, or do not answer within ``timeout_s`` (asked all at once)."""
+    pings = [m.actor.pid.remote() for m in members]
+    answered, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+    dead = []
+    for member, ping in zip(members, pings, strict=True):
+        try:
+            if ping not in answered:
+                raise TimeoutError
+            ray.get(ping)
+        except (ray.exceptions.RayActorError, TimeoutError):
+            dead.append(member)
+    return dead
 
 
 ControllerActor = ray.remote(num_cpus=0, max_concurrency=8)(Controller)
