@@ -212,9 +212,10 @@ class Controller:
         missing = self.job.scaling.min_workers - self.membership.size
         if missing > 0:
             self.log.event("waiting_for_resources", self.step, workers=self.membership.size, needed=missing)
-            self.membership.add_joiners(missing)
-            self.membership.wait_for_joiners(self.job.scaling.placement_timeout_s)
-            self.membership.add_joiners(missing - len(self.membership.joining))
+            deadline = time.monotonic() + self.job.scaling.placement_timeout_s
+            self.membership.add_joiners(missing - len(self.membership.joining),
+                                        timeout_s=self.job.scaling.placement_timeout_s)
+            self.membership.wait_for_joiners(max(0.0, deadline - time.monotonic()))
             self._admit_ready_joiners()
             self._require_min_workers("are available after the failure")
         else:

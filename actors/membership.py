@@ -55,9 +55,10 @@ class Membership:
             started.append(Member(actor=actor, slot=slot, name=name, ready=actor.pid.remote()))
         return started
 
-    def add_joiners(self, count: int) -> int:
-        """Start up to ``count`` new workers on slots that are ready now; returns how many started."""
-        joiners = self.spawn(self.slots.take_ready(count))
+    def add_joiners(self, count: int, *, timeout_s: float = 0.0) -> int:
+        """Start up to ``count`` new workers on slots that are ready (waiting up to ``timeout_s`` for
+        all of them); returns how many started."""
+        joiners = self.spawn(self.slots.take_ready(count, at_least=count, timeout_s=timeout_s))
         self.joining += joiners
         return len(joiners)
 

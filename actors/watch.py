@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from actors.controller import Controller, Member
 
 POLL_INTERVAL_S = 0.05
-SCALING_INTERVAL_S = 0.5
+SCALING_INTERVAL_S = 0.1
 ERROR_GRACE_S = 2.0
 """How long a collective error may precede the report of the death that caused it."""
 

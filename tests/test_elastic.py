@@ -198,3 +198,12 @@ def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
     assert "interrupted" in stderr and "Traceback" not in stderr
     for name in ("controller", "worker1", "worker2"):
         _wait_until_gone(f"raylastic:interrupted:{name}")
+
+
+def test_below_min_workers_the_run_waits_for_a_replacement(tmp_path, reference):
+    result, state = run_disturbed(tmp_path, "waits", "scaling.min_workers=3",
+                                  "faults=[{action: kill, rank: 0, step: 12}]")
+    assert_same_as_reference(result, state, reference)
+    types = event_types(result)
+    assert types.index("waiting_for_resources") < types.index("worker_joined") < types.index("recovered")
+    assert {row["world_size"] for row in result.history} == {3}

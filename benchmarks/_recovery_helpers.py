@@ -1,0 +1,188 @@
+"""The parts of benchmarks/recovery.py that run inside Ray workers - Ray Train's train loop, a start-up
+probe, our Controller with the recovery fix it suggests - and its plot. Imported as
+``benchmarks._recovery_helpers`` so Ray workers (PYTHONPATH = the repository root) import it by name;
+heavy imports stay inside functions, so the probe's process starts without torch and times importing it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RAY_TRAIN_FACTS = {  # paths under the installed ray package (2.60), for what the JSON reports about Ray Train
+    "elastic_resize_monitor_interval_s": "ray/train/v2/api/config.py:102 ScalingConfig.elastic_resize_monitor_"
+                                         "interval_s = 60.0: ElasticScalingPolicy (v2/_internal/execution/"
+                                         "scaling_policy/elastic.py:204-221) considers no resize before it passed",
+    "resize_restarts_the_group": "v2/_internal/execution/controller/controller.py:311 '# Standard: full restart.': "
+                                 "a ResizeDecision shuts the worker group down and starts a new one",
+    "health_check_interval_s": "v2/_internal/constants.py:37 DEFAULT_HEALTH_CHECK_INTERVAL_S = 2.0: the controller "
+                               "polls workers; failures and reported checkpoints are seen at a poll",
+    "report_queue": "v2/_internal/execution/worker_group/worker.py:294 result_queue=Queue(maxsize=1): report() blocks "
+                    "until a poll took the previous result, so a checkpoint is registered only at the next poll",
+}
+
+
+def fit_ray_train(scratch: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """Run ``ray_train_loop`` with TorchTrainer; returns its start time, rank 0's log records, the kill time."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    log, marker = scratch / "ray_train_log.jsonl", scratch / "ray_train_killed"
+    trainer = TorchTrainer(ray_train_loop, train_loop_config={**config, "log": str(log), "marker": str(marker)},
+                           scaling_config=ScalingConfig(num_workers=config["num_workers"], use_gpu=False),
+                           run_config=RunConfig(name="recovery", storage_path=str(scratch / "storage"),
+                                                failure_config=FailureConfig(max_failures=config["max_failures"])))
+    started = time.time()
+    trainer.fit()
+    return {"started": started, "records": [json.loads(line) for line in log.read_text().splitlines()],
+            "killed_at": float(marker.read_text())}
+
+
+def ray_train_loop(config: dict[str, Any]) -> None:
+    """The Ray Train side of the job: our digits MLP, global batch, AdamW and sample order, on DDP.
+
+    Rank 0 appends ``{"step", "time"}`` to ``config["log"]`` as each step commits (and
+    ``{"resumed_from", "time"}`` when a worker group starts); rank 1 SIGKILLs itself once, just before
+    step ``config["kill_step"]``, after writing the time to ``config["marker"]``. Rank 0 reports a
+    checkpoint every ``config["checkpoint_every"]`` steps; a restarted group resumes from the newest.
+    """
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+
+    from actors.data_order import GlobalSampleOrder
+    from workloads.digits import Digits
+
+    torch.set_num_threads(1)  # as our workers with cpus_per_worker=1
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    torch.manual_seed(config["seed"])
+    workload = Digits(hidden=config["hidden"])
+    data = workload.train_dataset()
+    model = workload.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as directory:
+            state = torch.load(Path(directory) / "state.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+    model = ray.train.torch.prepare_model(model)
+    log, marker, batch = Path(config["log"]), Path(config["marker"]), config["global_batch_size"]
+    if rank == 0:
+        _append(log, {"resumed_from": start, "time": time.time()})
+    order = GlobalSampleOrder(len(data), batch, config["seed"])
+    for step in range(start, config["steps"]):
+        if rank == 1 and step + 1 == config["kill_step"] and not marker.exists():
+            marker.write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        indices = order.rank_indices(step, rank, world_size)
+        inputs, targets = data.tensors[0][indices], data.tensors[1][indices]
+        optimizer.zero_grad(set_to_none=True)
+        loss = workload.loss_sum(model(inputs), targets)
+        (loss * world_size / batch).backward()
+        metrics = torch.stack([loss.detach().double(), torch.tensor(float(len(indices)), dtype=torch.float64)])
+        dist.all_reduce(metrics)  # as ours: the step's loss and sample count
+        optimizer.step()
+        if rank == 0:
+            _append(log, {"step": step + 1, "time": time.time()})
+        if (step + 1) % config["checkpoint_every"] == 0:
+            with tempfile.TemporaryDirectory() as directory:
+                saved = None
+                if rank == 0:
+                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                                "step": step + 1}, Path(directory) / "state.pt")
+                    saved = ray.train.Checkpoint.from_directory(directory)
+                ray.train.report({"step": step + 1}, checkpoint=saved)
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+class Blocker:
+    """Holds a CPU until it is killed, so that resources "appear" when it goes."""
+
+    def ready(self) -> bool:
+        return True
+
+
+class StartupProbe:
+    """Where a new worker process's start-up goes: time.time() marks taken in order in __init__."""
+
+    def __init__(self, hidden: int) -> None:
+        marks = {"process_ready": time.time()}
+        import torch
+
+        marks["import_torch"] = time.time()
+        import actors.worker  # noqa: F401 - the modules a TrainWorker process loads
+
+        marks["import_worker_modules"] = time.time()
+        from workloads.digits import Digits
+
+        workload = Digits(hidden=hidden)
+        workload.train_dataset()
+        marks["load_digits"] = time.time()
+        torch.optim.AdamW(workload.build_model().parameters())
+        marks["build_model_and_optimizer"] = time.time()
+        gc.collect()  # what TrainWorker.join pays at every generation, in a process like this one
+        marks["gc_collect"] = time.time()
+        self.marks = marks
+
+    def timings(self) -> dict[str, float]:
+        return self.marks
+
+
+def plot(rounds: list[dict], summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def median_round(key: str, field: str) -> dict:
+        done = sorted((r for r in rounds if field in r.get(key, {})), key=lambda r: r[key][field])
+        return done[len(done) // 2][key]
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for key, label, color in [("ours_min1", "ours, min_workers=1", "tab:blue"),
+                              ("ours_min2", "ours, min=max=2 (waits for a replacement)", "tab:green"),
+                              ("ray_train", "Ray Train TorchTrainer", "tab:red")]:
+        run = median_round(key, "recovery_s")
+        times, steps = zip(*run["timeline"], strict=True)
+        left.plot(times, steps, ".", ms=3, color=color, label=f"{label}: {run['recovery_s']:.2f} s, "
+                                                               f"{run['steps_redone']} redone")
+    left.axvline(0, color="black", ls="--", lw=1, label="rank 1 SIGKILLed")
+    left.set(xlabel="seconds since the kill (median round)", ylabel="committed step",
+             title=f"Recovery: Ray Train / ours = {summary['ray_train_over_ours_recovery']}x")
+    left.legend(fontsize=8, loc="lower right")
+    scale = median_round("scale_up", "scale_up_s")
+    for size, color in [(1, "tab:gray"), (2, "tab:blue")]:
+        points = [(t, s) for t, s, w in scale["timeline"] if w == size]
+        right.plot(*zip(*points, strict=True), ".", ms=2, color=color, label=f"world size {size}")
+    right.axvline(0, color="black", ls="--", lw=1, label="blocker killed: resources appear")
+    parts = scale["breakdown"]
+    spawned = parts["slot_and_scaling_tick_s"]
+    right.axvspan(spawned, spawned + parts["actor_construction_s"], color="tab:orange", alpha=0.2,
+                  label="new worker's actor starting")
+    joined = spawned + parts["actor_construction_s"] + parts["tick_and_step_boundary_s"]
+    right.axvline(joined, color="tab:orange", lw=1, label="worker_joined (step boundary)")
+    right.set_xlim(-1, scale["scale_up_s"] + 3)
+    right.set_ylim(0, 1.1 * max(s for t, s, _ in scale["timeline"] if t <= scale["scale_up_s"] + 3))
+    right.set(xlabel="seconds since resources appeared", ylabel="committed step",
+              title=f"Scale-up 1 -> 2 workers: {scale['scale_up_s']:.2f} s to the first 2-worker step")
+    right.legend(fontsize=8, loc="upper left")
+    loads = [r["load_average_at_start"][0] for r in rounds]
+    fig.suptitle(f"{len(rounds)} rounds on a shared 2-core machine (1-min load average {min(loads):.0f}-"
+                 f"{max(loads):.0f} at round starts)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
