@@ -44,8 +44,10 @@ def ray_session(address: str | None = None, *, min_cpus: float = 0.0) -> Iterato
     if address:
         _connect(address, options)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False,
-                 dashboard_host="127.0.0.1", **options)
+        # "local": a new instance even if `ray start` left one on this machine (ray.init's default
+        # would connect to that one, and then refuses num_cpus).
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
+                 include_dashboard=False, dashboard_host="127.0.0.1", **options)
     try:
         yield
     finally:

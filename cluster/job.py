@@ -99,9 +99,17 @@ def _follow(controller: Any, on_progress: ProgressCallback) -> RunResult:
             if finished:
                 return _unwrap(done)
     except KeyboardInterrupt:
-        controller.stop.remote()
-        ray.wait([done], timeout=15)
+        _stop(controller, done)
         raise RunFailed("interrupted (Ctrl-C); workers were shut down") from None
+    except BaseException:  # e.g. Ray Tune stopping a trial from inside on_progress: stop the same way
+        _stop(controller, done)
+        raise
+
+
+def _stop(controller: Any, done: Any) -> None:
+    """End the run at the next step boundary; the Controller shuts its workers down before it returns."""
+    controller.stop.remote()
+    ray.wait([done], timeout=15)
 
 
 def _unwrap(ref: Any) -> RunResult:
