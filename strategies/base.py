@@ -64,7 +64,7 @@ class Strategy(Protocol):
     over in memory; False when state is sharded and a lost shard must come from a checkpoint."""
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
-              previous: TrainState | None, context: GroupContext) -> TrainState:
+              previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
         """The state for the current process group; ``previous`` is the last generation's (or None)."""
         ...
 

@@ -50,7 +50,7 @@ class DDPStrategy:
     replicated: bool = True
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
-              previous: TrainState | None, context: GroupContext) -> TrainState:
+              previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
         """Keeps the previous generation's model and optimizer (survivors keep their state); the DDP
         and its communication hook are new, so error-feedback buffers start at zero on every rank."""
         if previous is None:
@@ -62,10 +62,11 @@ class DDPStrategy:
         comm = None
         if isinstance(wrapped, DistributedDataParallel):
             if self.hierarchical:
+                assert context is not None, "hierarchical all-reduce needs every rank's node id"
                 hook = make_hierarchical_hook(list(context.node_ids))
             else:
                 hook = make_comm_hook(self.compression, options=self.compression_options,
-                                      completed_steps=context.completed_steps)
+                                      completed_steps=context.completed_steps if context else 0)
             timer = CommTimer()
             wrapped.register_comm_hook(hook.state, timer.wrap(hook.hook))
             comm = CommInstruments(state=hook.state, timer=timer)

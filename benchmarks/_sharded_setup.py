@@ -1,0 +1,67 @@
+"""What benchmarks/memory.py and benchmarks/checkpoint.py share: a strategy set up on the chargpt GPT
+in the current gloo group (as actors/worker.py does it, without Ray), and the machine description."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from actors.data_order import GlobalSampleOrder
+from actors.step_loop import StepRunner
+from actors.worker import optimizer_factory
+from cluster.config import OptimConfig, StrategyConfig
+from strategies import build_strategy
+from strategies.base import GroupContext, Strategy, TrainState
+from workloads import load_workload
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+GPT_50M = {"n_layer": 8, "n_head": 8, "n_embd": 720, "block_size": 64}
+"""50,073,120 parameters (workloads/chargpt.py)."""
+SEED = 0
+
+
+@dataclass
+class Setup:
+    strategy: Strategy
+    state: TrainState
+    runner: StepRunner
+
+
+def set_up(strategy_name: str, model: dict[str, int], *, global_batch_size: int, micro_batch_size: int,
+           corpus_chars: int = 30_000) -> Setup:
+    """``strategy_name`` on a fresh GPT of shape ``model`` in the current group, AdamW(lr=1e-3), seed 0."""
+    workload = load_workload("chargpt", {**model, "corpus_chars": corpus_chars})
+    strategy = build_strategy(StrategyConfig(name=strategy_name))
+    context = GroupContext(node_ids=("local",) * dist.get_world_size(), completed_steps=0)
+    torch.manual_seed(SEED)  # identical initialisation on every rank
+    state = strategy.setup(workload.build_model, optimizer_factory(OptimConfig(name="adamw", lr=1e-3)),
+                           torch.device("cpu"), None, context)
+    dataset = workload.train_dataset()
+    runner = StepRunner(workload=workload, dataset=dataset, strategy=strategy,
+                        order=GlobalSampleOrder(len(dataset), global_batch_size, seed=SEED),
+                        micro_batch_size=micro_batch_size, device=torch.device("cpu"))
+    return Setup(strategy=strategy, state=state, runner=runner)
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine and its load: these benchmarks share 2 cores with whatever else is running."""
+    return {"cpu_count": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": _git_describe(),
+            "command": shlex.join(["python", "-m", f"benchmarks.{Path(sys.argv[0]).stem}", *sys.argv[1:]])}
+
+
+def _git_describe() -> str | None:
+    done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
