@@ -18,6 +18,8 @@ class RunLog:
         self._events: list[dict[str, Any]] = []
         self._history: dict[int, dict[str, Any]] = {}
         self._history_order: list[int] = []
+        self._reporters: dict[int, tuple[int, dict[int, tuple[int, int]]]] = {}
+        """Per step: (generation, {rank: (bytes_sent, uncompressed_bytes)}) of the ranks heard so far."""
         self._samples: dict[int, list[int]] = {}
 
     def event(self, type_: str, step: int, **fields: Any) -> dict[str, Any]:
@@ -26,12 +28,25 @@ class RunLog:
             self._events.append(record)
         return record
 
-    def add_step(self, step: int, finished_at: float, **fields: Any) -> None:
-        """Record step ``step``'s metrics; a step redone after a failure replaces its first record."""
+    def add_step(self, step: int, finished_at: float, *, generation: int, rank: int, bytes_sent: int,
+                 uncompressed_bytes: int, **fields: Any) -> None:
+        """Record ``rank``'s report of step ``step``. The row keeps the lowest rank's timings and the
+        bytes summed over every rank heard (the step's traffic); a step redone in a later generation
+        replaces the discarded attempt."""
         with self._lock:
             if step not in self._history:
                 self._history_order.append(step)
-            self._history[step] = {"step": step, "time_s": round(finished_at - self.started, 4), **fields}
+            known_generation, traffic = self._reporters.get(step, (None, {}))
+            if known_generation != generation:
+                traffic = {}
+            lowest = not traffic or rank < min(traffic)
+            traffic[rank] = (bytes_sent, uncompressed_bytes)
+            self._reporters[step] = (generation, traffic)
+            row = self._history[step] if not lowest and known_generation == generation else \
+                {"step": step, "time_s": round(finished_at - self.started, 4), **fields}
+            row["bytes_sent"] = sum(sent for sent, _ in traffic.values())
+            row["uncompressed_bytes"] = sum(full for _, full in traffic.values())
+            self._history[step] = row
 
     def add_samples(self, step: int, sample_ids: tuple[int, ...]) -> None:
         """Ledger entry: the samples all ranks consumed in ``step`` (a redone step replaces its entry)."""

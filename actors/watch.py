@@ -104,7 +104,7 @@ class Watcher:
         ready = set(ready)
         now = time.monotonic()
         stall_timeout = self.controller.job.failure.step_timeout_s
-        for member, ref in zip(members, refs, strict=True):
+        for rank, (member, ref) in enumerate(zip(members, refs, strict=True)):
             view = self.views[member.name]
             if ref not in ready:
                 if now - view.last_answer > stall_timeout:
@@ -119,13 +119,13 @@ class Watcher:
             except GetTimeoutError:
                 continue
             view.last_answer, view.phase, view.error = now, status.phase, status.error
-            self._record(status)
+            self._record(status, rank)
 
-    def _record(self, status: Any) -> None:
+    def _record(self, status: Any, rank: int) -> None:
         controller, log = self.controller, self.controller.log
         for result in status.results:
-            log.add_step(result.step, result.finished_at, loss=result.loss,
-                         samples_per_s=round(result.samples / result.duration_s, 2),
+            log.add_step(result.step, result.finished_at, generation=controller.generation, rank=rank,
+                         loss=result.loss, samples_per_s=round(result.samples / result.duration_s, 2),
                          world_size=len(controller.members), bytes_sent=result.bytes_sent,
                          uncompressed_bytes=result.uncompressed_bytes, step_s=round(result.duration_s, 5),
                          comm_s=round(result.comm_s, 5), exposed_comm_s=round(result.exposed_comm_s, 5),
