@@ -16,6 +16,7 @@ Writes benchmarks/results/throughput.json and throughput.png. The peer is benchm
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -42,7 +43,7 @@ RESULTS = REPO_ROOT / "benchmarks" / "results"
 PEER_SCRIPT = REPO_ROOT / "benchmarks" / "_torchrun_ddp.py"
 NUM_WORKERS = 2
 WARMUP_FRACTION = 0.2
-DEFAULT_STEPS = {"digits": 1000, "chargpt": 150}  # ~3 ms and ~50 ms per step on one core per rank
+DEFAULT_STEPS = {"digits": 1500, "chargpt": 150}  # ~2-3 ms and ~50 ms per step, one core per rank
 GOAL_RATIO = 0.95
 
 
@@ -52,6 +53,8 @@ class Measurement:
     """Steady-state throughput: warm-up steps excluded."""
     wall_s: float
     """The whole run as the user waits for it: start-up, training, end-of-run save and evaluation."""
+    other_cpu_s: float | None
+    """CPU seconds that processes outside this benchmark used during the run (Linux): a shared machine's noise."""
     max_param_diff: float = 0.0
     """Largest |ours - torchrun| over the final parameters (torchrun rows only): same work, same result."""
 
@@ -71,12 +74,12 @@ def run_ours(workload: str, steps: int, global_batch_size: int, run_dir: Path) -
         f"training.global_batch_size={global_batch_size}", f"scaling.min_workers={NUM_WORKERS}",
         f"scaling.max_workers={NUM_WORKERS}", "scaling.cpus_per_worker=1", "checkpoint.every_steps=0",
         "checkpoint.resume=never"])
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _CpuMeter()
     result = train(job, run_dir=run_dir)
     wall_s = time.perf_counter() - started
     assert [row["step"] for row in result.history] == list(range(1, steps + 1)), "a step was redone or lost"
     times = [row["time_s"] for row in result.history]  # each worker's wall clock at its step commit
-    return Measurement(steady_samples_per_s(times, global_batch_size), wall_s)
+    return Measurement(steady_samples_per_s(times, global_batch_size), wall_s, cpu.other_cpu_s())
 
 
 def run_torchrun(workload: str, steps: int, global_batch_size: int, run_dir: Path) -> Measurement:
@@ -87,19 +90,57 @@ def run_torchrun(workload: str, steps: int, global_batch_size: int, run_dir: Pat
                "--global-batch-size", str(global_batch_size), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
                                                        if p)}
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _CpuMeter()
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     wall_s = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"torchrun peer failed ({done.returncode}):\n{done.stderr[-3000:]}")
     report = json.loads(out.read_text())
-    return Measurement(steady_samples_per_s(report["step_times_s"], global_batch_size), wall_s)
+    return Measurement(steady_samples_per_s(report["step_times_s"], global_batch_size), wall_s, cpu.other_cpu_s())
 
 
 def max_param_diff(ours_dir: Path, peer_dir: Path) -> float:
     ours = torch.load(ours_dir / "model.pt", weights_only=True)
     peer = torch.load(peer_dir / "peer.json.pt", weights_only=True)
     return max((ours[k] - peer[k]).abs().max().item() for k in ours)
+
+
+class _CpuMeter:
+    """Busy CPU of the whole machine minus that of this process and all its descendants (Ray included)."""
+
+    def __init__(self) -> None:
+        self.start = self._busy_and_ours()
+
+    def other_cpu_s(self) -> float | None:
+        end = self._busy_and_ours()
+        if self.start is None or end is None:
+            return None
+        # per process: utime + stime + cutime + cstime (a child reaped meanwhile is counted in its parent)
+        ours = sum(cpu - self.start[1].get(pid, 0.0) for pid, cpu in end[1].items())
+        return round(end[0] - self.start[0] - ours, 2)
+
+    @staticmethod
+    def _busy_and_ours() -> tuple[float, dict[int, float]] | None:
+        if not Path("/proc/stat").exists():
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        user, nice, system = (int(v) for v in Path("/proc/stat").read_text().split()[1:4])
+        stats, children = {}, {}
+        for entry in Path("/proc").iterdir():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split() if entry.name.isdigit() else None
+            except (OSError, IndexError):
+                continue
+            if fields:
+                stats[int(entry.name)] = fields
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+        ours, todo = {}, [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            if pid in stats:
+                ours[pid] = sum(int(v) for v in stats[pid][11:15]) / tick
+            todo += children.get(pid, [])
+        return (user + nice + system) / tick, ours
 
 
 def _free_port() -> int:
@@ -119,8 +160,9 @@ def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, sc
             measurement = run(workload, steps, global_batch_size, run_dir)
             (ours if side == "ours" else peer).append(measurement)
             print(f"  {workload} round {round_index + 1}/{rounds} {side:9s} "
-                  f"{measurement.samples_per_s:9.0f} samples/s  (run {measurement.wall_s:.1f}s)", flush=True)
-        peer[-1] = Measurement(peer[-1].samples_per_s, peer[-1].wall_s, max_param_diff(ours_dir, peer_dir))
+                  f"{measurement.samples_per_s:9.0f} samples/s  (run {measurement.wall_s:.1f}s, "
+                  f"other processes used {measurement.other_cpu_s} CPU s)", flush=True)
+        peer[-1] = dataclasses.replace(peer[-1], max_param_diff=max_param_diff(ours_dir, peer_dir))
     ours_median = statistics.median(m.samples_per_s for m in ours)
     peer_median = statistics.median(m.samples_per_s for m in peer)
     return {"workload": workload, "steps": steps, "warmup_steps": max(1, int(steps * WARMUP_FRACTION)),
@@ -156,8 +198,13 @@ def plot(results: list[dict], path: Path) -> None:
 def machine_info() -> dict:
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
             "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": _git_describe(),
             "command": shlex.join(["python", os.path.relpath(sys.argv[0], REPO_ROOT), *sys.argv[1:]])}
+
+
+def _git_describe() -> str | None:
+    done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def main(argv: list[str] | None = None) -> None:
