@@ -104,6 +104,7 @@ class TrainWorker:
         self.step = 0
         self.checkpoint_group: dist.ProcessGroup | None = None
         self._pending_save: Future | None = None
+        self._last_save: tuple[int, Future] | None = None
         self._lock = threading.Lock()
         self._phase: Phase = "idle"
         self._results: list[StepResult] = []
@@ -122,6 +123,7 @@ class TrainWorker:
         keeps its model and optimizer; a sharded one builds them afresh for the new group."""
         self._wait_for_loop()
         self._wait_for_save()
+        self._last_save = None
         previous = self.state if self.strategy.replicated else None
         self.state = None
         gc.collect()  # the old DDP's reducer and its autograd hooks on our parameters must be gone
@@ -180,7 +182,12 @@ class TrainWorker:
             return WorkerStatus(self._phase, self.step, results, events, self._error)
 
     def save_checkpoint(self) -> str:
-        """Collective: write this step's checkpoint now and wait until it is complete."""
+        """Collective: write this step's checkpoint now (unless the loop already did) and wait for it."""
+        if self._last_save is not None and self._last_save[0] == self.step:
+            try:
+                return self._last_save[1].result()
+            except Exception:  # noqa: BLE001 - that save failed: write it again
+                pass
         self._wait_for_save()
         return self._start_save(record=False).result()
 
@@ -219,6 +226,7 @@ class TrainWorker:
 
         future.add_done_callback(record)
         self._pending_save = future
+        self._last_save = (step, future)
         return future
 
     def _wait_for_save(self) -> None:
