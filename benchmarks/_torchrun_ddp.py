@@ -62,6 +62,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"step_times_s": step_times, "rank0_losses": losses, "world_size": world_size,
                        "torch_threads": torch.get_num_threads()}, f)
+    dist.barrier()  # rank 1 tearing its group down while rank 0 still writes can abort it (seen once)
     dist.destroy_process_group()
 
 

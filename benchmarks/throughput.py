@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -43,7 +44,7 @@ RESULTS = REPO_ROOT / "benchmarks" / "results"
 PEER_SCRIPT = REPO_ROOT / "benchmarks" / "_torchrun_ddp.py"
 NUM_WORKERS = 2
 WARMUP_FRACTION = 0.2
-DEFAULT_STEPS = {"digits": 1500, "chargpt": 150}  # ~2-3 ms and ~50 ms per step, one core per rank
+DEFAULT_STEPS = {"digits": 1500, "chargpt": 150}  # ~2 ms and ~30 ms per torchrun step on one core per rank
 GOAL_RATIO = 0.95
 
 
@@ -79,7 +80,7 @@ def run_ours(workload: str, steps: int, global_batch_size: int, run_dir: Path) -
     wall_s = time.perf_counter() - started
     assert [row["step"] for row in result.history] == list(range(1, steps + 1)), "a step was redone or lost"
     times = [row["time_s"] for row in result.history]  # each worker's wall clock at its step commit
-    return Measurement(steady_samples_per_s(times, global_batch_size), wall_s, cpu.other_cpu_s())
+    return Measurement(round(steady_samples_per_s(times, global_batch_size), 1), round(wall_s, 2), cpu.other_cpu_s())
 
 
 def run_torchrun(workload: str, steps: int, global_batch_size: int, run_dir: Path) -> Measurement:
@@ -96,7 +97,8 @@ def run_torchrun(workload: str, steps: int, global_batch_size: int, run_dir: Pat
     if done.returncode != 0:
         raise RuntimeError(f"torchrun peer failed ({done.returncode}):\n{done.stderr[-3000:]}")
     report = json.loads(out.read_text())
-    return Measurement(steady_samples_per_s(report["step_times_s"], global_batch_size), wall_s, cpu.other_cpu_s())
+    samples_per_s = steady_samples_per_s(report["step_times_s"], global_batch_size)
+    return Measurement(round(samples_per_s, 1), round(wall_s, 2), cpu.other_cpu_s())
 
 
 def max_param_diff(ours_dir: Path, peer_dir: Path) -> float:
@@ -106,25 +108,36 @@ def max_param_diff(ours_dir: Path, peer_dir: Path) -> float:
 
 
 class _CpuMeter:
-    """Busy CPU of the whole machine minus that of this process and all its descendants (Ray included)."""
+    """CPU seconds that processes outside this benchmark use meanwhile: the machine's busy CPU minus
+    that of this process and its descendants (Ray's too), sampled twice a second so that processes
+    ending meanwhile still count. Linux only (None elsewhere)."""
 
     def __init__(self) -> None:
-        self.start = self._busy_and_ours()
+        self._first: dict[int, float] = {}
+        self._last: dict[int, float] = {}
+        self._busy_start = self._sample(first=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            self._sample()
 
     def other_cpu_s(self) -> float | None:
-        end = self._busy_and_ours()
-        if self.start is None or end is None:
+        self._stop.set()
+        self._thread.join()
+        busy_end = self._sample()
+        if busy_end is None or self._busy_start is None:
             return None
-        # per process: utime + stime + cutime + cstime (a child reaped meanwhile is counted in its parent)
-        ours = sum(cpu - self.start[1].get(pid, 0.0) for pid, cpu in end[1].items())
-        return round(end[0] - self.start[0] - ours, 2)
+        ours = sum(cpu - self._first.get(pid, 0.0) for pid, cpu in self._last.items())
+        return round(busy_end - self._busy_start - ours, 2)
 
-    @staticmethod
-    def _busy_and_ours() -> tuple[float, dict[int, float]] | None:
+    def _sample(self, first: bool = False) -> float | None:
+        """Records utime + stime of every process in our tree; returns the machine's busy CPU seconds."""
         if not Path("/proc/stat").exists():
             return None
         tick = os.sysconf("SC_CLK_TCK")
-        user, nice, system = (int(v) for v in Path("/proc/stat").read_text().split()[1:4])
         stats, children = {}, {}
         for entry in Path("/proc").iterdir():
             try:
@@ -134,13 +147,16 @@ class _CpuMeter:
             if fields:
                 stats[int(entry.name)] = fields
                 children.setdefault(int(fields[1]), []).append(int(entry.name))
-        ours, todo = {}, [os.getpid()]
+        todo = [os.getpid()]
         while todo:
             pid = todo.pop()
             if pid in stats:
-                ours[pid] = sum(int(v) for v in stats[pid][11:15]) / tick
+                self._last[pid] = (int(stats[pid][11]) + int(stats[pid][12])) / tick
+                if first:
+                    self._first[pid] = self._last[pid]
             todo += children.get(pid, [])
-        return (user + nice + system) / tick, ours
+        user, nice, system = (int(v) for v in Path("/proc/stat").read_text().split()[1:4])
+        return (user + nice + system) / tick
 
 
 def _free_port() -> int:
