@@ -3,9 +3,11 @@
 Each rank runs forward/backward over its slice of the global batch in micro-batches (only the
 last one communicates), with each micro-batch's summed loss scaled by world_size / B, because
 DDP averages gradients over ranks: the result is the gradient of the mean loss over the global
-batch. The step ends with one tiny all-reduce of [loss_sum, samples, stop_votes] that is both
-the metrics reduction and the control channel: a nonzero stop vote from any rank makes every
-rank stop after this step, at the same step boundary.
+batch. The sum over ranks of [loss_sum, samples, stop_votes] is both the metrics reduction and
+the control channel: a nonzero stop vote from any rank makes every rank stop after this step, at
+the same step boundary. It rides in DDP's first gradient bucket when the strategy allows, else
+travels as its own all-reduce while the last backward runs (strategies/step_metrics.py); the
+optimizer steps only once it has arrived on this rank.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from actors.data_order import GlobalSampleOrder, micro_batches
 from strategies.base import Strategy, TrainState
+from strategies.step_metrics import SeparateAllReduce
 from workloads.protocol import Workload
 
 
@@ -77,22 +80,23 @@ class StepRunner:
         indices = self.order.rank_indices(step_index, rank, world_size)
         scale = world_size / self.order.global_batch_size
         chunks = micro_batches(indices, self.micro_batch_size)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        metrics = state.comm.metrics if state.comm and state.comm.metrics else SeparateAllReduce()
         state.optimizer.zero_grad(set_to_none=True)
         for position, chunk in enumerate(chunks):
             inputs, targets = gather_batch(self.dataset, chunk, self.device)
             last = position == len(chunks) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(state), self._autocast():
                 loss = self.workload.loss_sum(state.wrapped(inputs), targets)
+            loss_sum += loss.detach().double()
+            if last:
+                metrics.start(torch.stack([loss_sum, loss_sum.new_tensor(float(len(indices))),
+                                           loss_sum.new_tensor(1.0 if stop_vote else 0.0)]))
             scaled = loss.float() * scale
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.detach().double().cpu()  # a device sync point, once per micro-batch
         backward_returned = time.perf_counter()
-        reduced = torch.stack([loss_sum, torch.tensor(float(len(indices)), dtype=torch.float64),
-                               torch.tensor(1.0 if stop_vote else 0.0, dtype=torch.float64)])
+        reduced = metrics.finish()  # a peer lost during this step fails here or earlier: step discarded
         consumed = self._gather_sample_ids(indices, world_size) if self.record_samples else None
-        reduced = reduced.to(self.device)
-        dist.all_reduce(reduced)  # a peer lost during this step fails here or earlier: step discarded
         skipped = self._optimizer_step(state.optimizer)
         loss_total, samples, stop_votes = reduced.tolist()
         traffic = state.comm.state.take_traffic() if state.comm else None

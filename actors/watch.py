@@ -1,8 +1,11 @@
 """Watching one generation train: polls, metrics, failure detection and the stall watchdog.
 
-``Watcher.watch`` starts the step loop on every member and polls them all at once until the
-generation ends, returning what ended it: the run finished, workers failed (died, hung, or
-raised), the user stopped it, or the membership should change at a step boundary.
+``Watcher.watch`` starts the step loop on every member and keeps one long poll in flight per
+member until the generation ends, returning what ended it: the run finished, workers failed
+(died, hung, or raised), the user stopped it, or the membership should change at a step
+boundary. A poll answers at once on news (a phase change, an error, an event) and at least every
+LONG_POLL_S otherwise; a worker's death fails its poll at once; a worker that stops answering
+for ``failure.step_timeout_s`` counts as failed.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from ray.exceptions import GetTimeoutError, RayActorError
 if TYPE_CHECKING:
     from actors.controller import Controller, Member
 
-POLL_INTERVAL_S = 0.05
+LONG_POLL_S = 0.25
+"""Longest a worker's poll waits for news: how fresh step results are when nothing else happens."""
 SCALING_INTERVAL_S = 0.1
+DONE_PHASES = frozenset({"finished", "stopped", "failed"})
+"""A worker reports its last step results with these phases: it is no longer polled in this generation."""
 ERROR_GRACE_S = 2.0
 """How long a collective error may precede the report of the death that caused it."""
 
@@ -55,6 +61,8 @@ class _MemberView:
     phase: str = "training"
     error: str | None = None
     dead: str | None = None
+    seen: int = -1
+    """The version of the worker's news last heard (its long poll answers when there is newer)."""
 
 
 @dataclass
@@ -71,11 +79,31 @@ class Watcher:
                      for rank, m in enumerate(members)])
         except RayActorError as error:
             return WorkersFailed(self._dead_members(members, error))
+        stall_timeout = self.controller.job.failure.step_timeout_s
+        wait_s = min(LONG_POLL_S, stall_timeout / 4)  # every live worker answers well within the stall timeout
+        polls = {m.name: self._poll(m, wait_s) for m in members}
+        try:
+            return self._until_outcome(members, polls, wait_s, stall_timeout)
+        finally:  # polls still in flight carry step results: take them in before the next generation
+            if polls:
+                ray.wait(list(polls.values()), num_returns=len(polls), timeout=wait_s + 1.0)
+            for rank, member in enumerate(members):
+                if member.name in polls and not self.views[member.name].dead:
+                    self._answer(member, rank, polls[member.name])
+
+    def _until_outcome(self, members: list[Member], polls: dict[str, ray.ObjectRef], wait_s: float,
+                       stall_timeout: float) -> WatchOutcome:
         first_error_at: float | None = None
-        next_scaling_check = now + SCALING_INTERVAL_S
+        next_scaling_check = time.monotonic() + SCALING_INTERVAL_S
         boundary_requested = False
         while True:
-            self._poll(members)
+            ready = self._wait_for_answers(polls)
+            for rank, member in enumerate(members):
+                if member.name in polls and polls[member.name] in ready:
+                    self._answer(member, rank, polls.pop(member.name))
+                    if self.views[member.name].phase not in DONE_PHASES:  # a done worker has nothing more to say
+                        polls[member.name] = self._poll(member, wait_s)
+            self._mark_stalled([m for m in members if m.name in polls], stall_timeout)
             self._fire_ray_kills(members)
             if not boundary_requested and time.monotonic() >= next_scaling_check:
                 next_scaling_check = time.monotonic() + SCALING_INTERVAL_S
@@ -95,31 +123,42 @@ class Watcher:
                 return Finished()
             if phases <= {"finished", "stopped"}:
                 return Interrupted() if self.controller.stopping else StoppedAtBoundary()
-            time.sleep(POLL_INTERVAL_S)
 
-    def _poll(self, members: list[Member]) -> None:
-        """Poll every member at once; record results; mark members dead or hung."""
-        refs = [m.actor.poll.remote() for m in members]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
-        ready = set(ready)
+    @staticmethod
+    def _wait_for_answers(polls: dict[str, ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """The polls answered within SCALING_INTERVAL_S (all that are, once one is)."""
+        if not polls:
+            time.sleep(SCALING_INTERVAL_S)
+            return []
+        ready, _ = ray.wait(list(polls.values()), num_returns=1, timeout=SCALING_INTERVAL_S)
+        if ready:
+            ready, _ = ray.wait(list(polls.values()), num_returns=len(polls), timeout=0)
+        return ready
+
+    def _poll(self, member: Member, wait_s: float) -> ray.ObjectRef:
+        return member.actor.poll.remote(wait_s, self.views[member.name].seen)
+
+    def _answer(self, member: Member, rank: int, ref: ray.ObjectRef) -> None:
+        """Take in a finished poll: record its results, or mark the member dead."""
+        view = self.views[member.name]
+        try:
+            status = ray.get(ref, timeout=0)
+        except RayActorError as error:
+            view.dead = _death_reason(error)
+            return
+        except GetTimeoutError:
+            return
+        view.last_answer, view.phase, view.error, view.seen = time.monotonic(), status.phase, status.error, \
+            status.version
+        self._record(status, rank)
+
+    def _mark_stalled(self, members: list[Member], stall_timeout: float) -> None:
+        """A worker whose process no longer answers (stopped, swapping, deadlocked) counts as failed."""
         now = time.monotonic()
-        stall_timeout = self.controller.job.failure.step_timeout_s
-        for rank, (member, ref) in enumerate(zip(members, refs, strict=True)):
+        for member in members:
             view = self.views[member.name]
-            if ref not in ready:
-                if now - view.last_answer > stall_timeout:
-                    view.dead = f"no answer for {now - view.last_answer:.1f}s (failure.step_timeout_s=" \
-                                f"{stall_timeout})"
-                continue
-            try:
-                status = ray.get(ref, timeout=0)
-            except RayActorError as error:
-                view.dead = _death_reason(error)
-                continue
-            except GetTimeoutError:
-                continue
-            view.last_answer, view.phase, view.error = now, status.phase, status.error
-            self._record(status, rank)
+            if not view.dead and now - view.last_answer > stall_timeout:
+                view.dead = f"no answer for {now - view.last_answer:.1f}s (failure.step_timeout_s={stall_timeout})"
 
     def _record(self, status: Any, rank: int) -> None:
         controller, log = self.controller, self.controller.log
@@ -135,8 +174,11 @@ class Watcher:
             if result.step > controller.step:
                 controller.step = result.step
                 controller.on_step_committed(result.finished_at)
-                controller.metrics.step_committed(step=result.step, loss=result.loss,
-                                                  samples_per_s=result.samples / result.duration_s,
+        if status.results:  # the gauges show the newest step (setting them for every step costs the Controller)
+            newest = status.results[-1]
+            if newest.step == controller.step:
+                controller.metrics.step_committed(step=newest.step, loss=newest.loss,
+                                                  samples_per_s=newest.samples / newest.duration_s,
                                                   world_size=len(controller.members))
         for event in status.events:
             log.event(event.pop("type"), event.pop("step"), **event)
@@ -148,7 +190,10 @@ class Watcher:
                 ray.kill(member.actor, no_restart=True)
 
     def _dead_members(self, members: list[Member], error: RayActorError) -> list[tuple[Member, str]]:
-        self._poll(members)
+        refs = [m.actor.poll.remote() for m in members]
+        ray.wait(refs, num_returns=len(refs), timeout=1.0)
+        for rank, (member, ref) in enumerate(zip(members, refs, strict=True)):
+            self._answer(member, rank, ref)
         found = [(m, v.dead) for m in members if (v := self.views[m.name]).dead]
         return found or [(members[0], _death_reason(error))]
 

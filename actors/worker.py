@@ -11,7 +11,11 @@ Lifecycle (each call from the Controller, on every member together)::
     worker.sync_state(source_rank)     replicated state: the most advanced rank's goes to all
     worker.restore(path | None)        sharded state: from a checkpoint (None: a fresh start)
     worker.train(until_step, faults)   starts the loop thread; returns at once
-    worker.poll()                      -> WorkerStatus(phase, step, new StepResults, events, error)
+    worker.poll(wait_s, seen)          -> WorkerStatus(phase, step, new StepResults, events, error)
+
+``poll`` is a long poll: it answers at once when something happened since version ``seen`` (a
+phase change, an event, an error) and otherwise after ``wait_s``, with the step results of the
+meantime. So the Controller hears of news at once and costs a training worker a few calls a second.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class WorkerStatus:
     results: list[StepResult] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     error: str | None = None
+    version: int = 0
+    """Counts the news (phase changes, events, errors) so far; pass it back as ``poll``'s ``seen``."""
 
 
 def optimizer_factory(config: OptimConfig):
@@ -105,7 +111,8 @@ class TrainWorker:
         self.checkpoint_group: dist.ProcessGroup | None = None
         self._pending_save: Future | None = None
         self._last_save: tuple[int, Future] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())
+        self._version = 0
         self._phase: Phase = "idle"
         self._results: list[StepResult] = []
         self._events: list[dict] = []
@@ -139,7 +146,8 @@ class TrainWorker:
             self.state.wrapped = torch.compile(self.state.wrapped)
         if previous is None and not self.strategy.replicated:
             self.step = 0
-        self._phase, self._error = "idle", None
+        self._error = None
+        self._set_phase("idle")
         self._stop_vote.clear()
         return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.step)
 
@@ -165,7 +173,7 @@ class TrainWorker:
         ``faults`` are the injected faults aimed at this worker's rank in this generation.
         """
         self._wait_for_loop()
-        self._phase = "training"
+        self._set_phase("training")
         self._thread = threading.Thread(target=self._loop, args=(until_step, faults), name="step-loop",
                                         daemon=True)
         self._thread.start()
@@ -174,12 +182,24 @@ class TrainWorker:
         """Vote to stop at the next step boundary; every rank stops after the same step."""
         self._stop_vote.set()
 
-    def poll(self) -> WorkerStatus:
-        """Phase, committed step and the step results since the last poll."""
+    def poll(self, wait_s: float = 0.0, seen: int = -1) -> WorkerStatus:
+        """Phase, committed step and the step results since the last poll; waits up to ``wait_s``
+        for news after version ``seen``."""
         with self._lock:
+            self._lock.wait_for(lambda: self._version != seen, timeout=wait_s)
             results, self._results = self._results, []
             events, self._events = self._events, []
-            return WorkerStatus(self._phase, self.step, results, events, self._error)
+            return WorkerStatus(self._phase, self.step, results, events, self._error, self._version)
+
+    def _set_phase(self, phase: Phase, error: str | None = None) -> None:
+        with self._lock:
+            self._phase, self._error = phase, error or self._error
+            self._announce()
+
+    def _announce(self) -> None:
+        """News for a waiting ``poll`` (call with the lock held)."""
+        self._version += 1
+        self._lock.notify_all()
 
     def save_checkpoint(self) -> str:
         """Collective: write this step's checkpoint now (unless the loop already did) and wait for it."""
@@ -223,6 +243,7 @@ class TrainWorker:
                 with self._lock:
                     self._events.append({"type": "checkpointed", "step": step, "path": done.result(),
                                          "duration_s": round(time.perf_counter() - started, 4)})
+                    self._announce()
 
         future.add_done_callback(record)
         self._pending_save = future
@@ -243,15 +264,14 @@ class TrainWorker:
             with self._profiler() as profiler:
                 self._steps(until_step, faults, profiler)
         except Exception as error:  # noqa: BLE001 - any failure is reported to the Controller
-            self._error = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}"
-            self._phase = "failed"
+            self._set_phase("failed", f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}")
 
     def _steps(self, until_step: int, faults: tuple[FaultConfig, ...], profiler: Any) -> None:
         compiling = self.spec.training.compile
         while self.step < until_step:
             for fault in faults:
                 if fault.step == self.step + 1 and fault.action == "ray_kill":
-                    self._phase = "awaiting_kill"  # the Controller sees it and ray.kill()s this actor
+                    self._set_phase("awaiting_kill")  # the Controller sees it and ray.kill()s this actor
                     threading.Event().wait()
                 elif fault.step == self.step + 1:
                     fire(fault)
@@ -262,6 +282,7 @@ class TrainWorker:
                 if compiling:  # torch.compile compiles lazily, in the generation's first step
                     self._events.append({"type": "compiled", "step": self.step,
                                          "first_step_s": round(result.duration_s, 3)})
+                    self._announce()
                     compiling = False
             if profiler is not None:
                 profiler.step()
@@ -269,9 +290,9 @@ class TrainWorker:
                 self._wait_for_save()
                 self._start_save()
             if result.stop_requested:
-                self._phase = "stopped"
+                self._set_phase("stopped")
                 return
-        self._phase = "finished"
+        self._set_phase("finished")
 
     def _profiler(self) -> contextlib.AbstractContextManager:
         """Rank 0 traces ``training.profile_steps`` steps once per run (after 1 wait + 1 warm-up step)."""

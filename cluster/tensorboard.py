@@ -2,6 +2,11 @@
 
 ``tensorboard --logdir runs/NAME`` then shows loss, throughput, bytes sent, exposed
 communication and world size per step, and the run's events as text.
+
+Steps are written at most every ``min_interval_s`` of run time (default 0.1 s: ten points a
+second, plus the last step): a small model commits hundreds of steps a second, and writing each
+would cost the driver a good part of a core that the workers beside it need. result.json keeps
+every step.
 """
 
 from __future__ import annotations
@@ -17,17 +22,29 @@ SCALARS = ("loss", "samples_per_s", "world_size", "bytes_sent", "comm_s", "expos
 class TensorBoardLog:
     """Feed it the Controller's ``progress()`` dicts (as the CLI's display is fed)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, min_interval_s: float = 0.1) -> None:
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.min_interval_s = min_interval_s
+        self._last_written_s: float | None = None
+        self._unwritten: dict[str, Any] | None = None
 
     def update(self, progress: dict[str, Any]) -> None:
         for row in progress["history"]:
-            for name in SCALARS:
-                if name in row:
-                    self.writer.add_scalar(f"train/{name}", row[name], global_step=row["step"])
+            if self._last_written_s is None or row["time_s"] - self._last_written_s >= self.min_interval_s:
+                self._write_step(row)
+            else:
+                self._unwritten = row
         for event in progress["events"]:
             details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "step"))
             self.writer.add_text("events", f"{event['type']}: {details}", global_step=event["step"])
 
+    def _write_step(self, row: dict[str, Any]) -> None:
+        for name in SCALARS:
+            if name in row:
+                self.writer.add_scalar(f"train/{name}", row[name], global_step=row["step"])
+        self._last_written_s, self._unwritten = row["time_s"], None
+
     def close(self) -> None:
+        if self._unwritten is not None:
+            self._write_step(self._unwritten)
         self.writer.close()
