@@ -85,11 +85,12 @@ class Watcher:
         try:
             return self._until_outcome(members, polls, wait_s, stall_timeout)
         finally:  # polls still in flight carry step results: take them in before the next generation
-            if polls:
-                ray.wait(list(polls.values()), num_returns=len(polls), timeout=wait_s + 1.0)
+            live = {name: ref for name, ref in polls.items() if not self.views[name].dead}
+            if live:
+                ray.wait(list(live.values()), num_returns=len(live), timeout=wait_s + 1.0)
             for rank, member in enumerate(members):
-                if member.name in polls and not self.views[member.name].dead:
-                    self._answer(member, rank, polls[member.name])
+                if member.name in live:
+                    self._answer(member, rank, live[member.name])
 
     def _until_outcome(self, members: list[Member], polls: dict[str, ray.ObjectRef], wait_s: float,
                        stall_timeout: float) -> WatchOutcome:
