@@ -24,7 +24,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import TensorDataset
 
 from cluster.config import JobConfig, TrainingConfig
 from cluster.job import train
@@ -32,6 +31,7 @@ from cluster.loading import load_job_config
 from tests.conftest import REPO_ROOT
 from tests.helpers import job
 from tests.test_cli import GUARDED_MAIN, RAY_INIT_EXIT_CODE
+from tests.user_workload import SlowDigits
 
 # Accuracy runs: a setup where the uncompressed run reaches ~97% held-out accuracy. AdamW at
 # 1e-3, not 3e-3: after 1-bit's warm-up, Adam's second moments are small, so the first scaled
@@ -68,7 +68,7 @@ RESIZE_OPTIONS = {
 }
 
 
-class SlowWhileShrunk:
+class SlowWhileShrunk(SlowDigits):
     """Digits whose steps pause while the group has fewer than ``full`` ranks.
 
     After a worker is killed the survivors train slowly until the replacement has joined, so the
@@ -76,25 +76,13 @@ class SlowWhileShrunk:
     """
 
     def __init__(self, full: int = 3, pause_s: float = 0.25) -> None:
-        from workloads.digits import Digits
-
-        self.digits = Digits()
+        super().__init__(pause_s)
         self.full = full
-        self.pause_s = pause_s
-
-    def build_model(self) -> torch.nn.Module:
-        return self.digits.build_model()
-
-    def train_dataset(self) -> TensorDataset:
-        return self.digits.train_dataset()
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if dist.is_initialized() and dist.get_world_size() < self.full:
             time.sleep(self.pause_s)
         return self.digits.loss_sum(outputs, targets)
-
-    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        return self.digits.evaluate(model)
 
 
 def ratios(history: list[dict]) -> dict[int, float]:
