@@ -146,7 +146,6 @@ class TrainWorker:
             self.state.wrapped = torch.compile(self.state.wrapped)
         if previous is None and not self.strategy.replicated:
             self.step = 0
-        self._error = None
         self._set_phase("idle")
         self._stop_vote.clear()
         return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.step)
@@ -192,8 +191,9 @@ class TrainWorker:
             return WorkerStatus(self._phase, self.step, results, events, self._error, self._version)
 
     def _set_phase(self, phase: Phase, error: str | None = None) -> None:
+        """Only "failed" carries an error; every other phase clears it."""
         with self._lock:
-            self._phase, self._error = phase, error or self._error
+            self._phase, self._error = phase, error
             self._announce()
 
     def _announce(self) -> None:
