@@ -304,7 +304,8 @@ class Controller:
         model_state = ray.get([a.full_state_dict.remote() for a in actors])[0]
         memory = ray.get([a.memory.remote() for a in actors])
         path = ray.get([a.save_checkpoint.remote() for a in actors])[0]
-        self.log.event("checkpointed", self.step, path=path, reason="end of run")
+        if not any(e["type"] == "checkpointed" and e["step"] == self.step for e in self.log.events()):
+            self.log.event("checkpointed", self.step, path=path, reason="end of run")  # else the loop's save, reported
         history = self.log.history()
         metrics = {**({"loss": history[-1]["loss"]} if history else {}), **metrics}  # none when resumed at the end
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})

@@ -151,6 +151,8 @@ def test_driver_killed_then_same_command_resumes_from_checkpoint(tmp_path, refer
     assert resumed["step"] >= 20
     assert result.final_step == STEPS
     assert_states_close(load_model(run_dir), reference[1])
+    final_saves = [e for e in result.events if e["type"] == "checkpointed" and e["step"] == STEPS]
+    assert len(final_saves) == 1  # the loop's save of the last step (every 10) is the end of run's: reported once
 
 
 class _Blocker:
