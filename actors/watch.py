@@ -191,7 +191,7 @@ class Watcher:
                 ray.kill(member.actor, no_restart=True)
 
     def _dead_members(self, members: list[Member], error: RayActorError) -> list[tuple[Member, str]]:
-        refs = [m.actor.poll.remote() for m in members]
+        refs = [self._poll(m, 0.0) for m in members]
         ray.wait(refs, num_returns=len(refs), timeout=1.0)
         for rank, (member, ref) in enumerate(zip(members, refs, strict=True)):
             self._answer(member, rank, ref)
