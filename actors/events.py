@@ -1,14 +1,40 @@
 """The run's event log and step history, shared by the Controller's threads.
 
 Events are plain dicts ``{"type", "step", "time_s", ...}`` (time since the run started), so they
-go into result.json as they are and the CLI shows them live.
+go into result.json as they are and the CLI shows them live. A step's history row is built from
+every rank's report of it: each rank trained part of the global batch, so the step's loss is the sum
+of their summed losses over the sum of their samples.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class _RankReport:
+    finished_at: float
+    loss_sum: float
+    samples: int
+    step_s: float
+    bytes_sent: int
+    uncompressed_bytes: int
+    timings: dict[str, Any]
+
+
+@dataclass
+class _StepReports:
+    """What the ranks of one generation reported of one step."""
+
+    generation: int
+    world_size: int
+    by_rank: dict[int, _RankReport] = field(default_factory=dict)
+    row: dict[str, Any] | None = None
+    """The history row, once every rank reported or the generation ended (a rank that died took its
+    report along)."""
 
 
 class RunLog:
@@ -16,10 +42,8 @@ class RunLog:
         self.started = time.time()
         self._lock = threading.Lock()
         self._events: list[dict[str, Any]] = []
-        self._history: dict[int, dict[str, Any]] = {}
+        self._steps: dict[int, _StepReports] = {}
         self._history_order: list[int] = []
-        self._reporters: dict[int, tuple[int, dict[int, tuple[int, int]]]] = {}
-        """Per step: (generation, {rank: (bytes_sent, uncompressed_bytes)}) of the ranks heard so far."""
         self._samples: dict[int, list[int]] = {}
 
     def event(self, type_: str, step: int, **fields: Any) -> dict[str, Any]:
@@ -28,25 +52,43 @@ class RunLog:
             self._events.append(record)
         return record
 
-    def add_step(self, step: int, finished_at: float, *, generation: int, rank: int, bytes_sent: int,
-                 uncompressed_bytes: int, **fields: Any) -> None:
-        """Record ``rank``'s report of step ``step``. The row keeps the lowest rank's timings and the
-        bytes summed over every rank heard (the step's traffic); a step redone in a later generation
-        replaces the discarded attempt."""
+    def add_step(self, step: int, finished_at: float, *, generation: int, rank: int, world_size: int,
+                 loss_sum: float, samples: int, step_s: float, bytes_sent: int, uncompressed_bytes: int,
+                 **timings: Any) -> dict[str, Any] | None:
+        """Record ``rank``'s report of step ``step``; returns the step's row when this report completes
+        it (every rank of the generation heard). A step redone in a later generation replaces the
+        discarded attempt."""
         with self._lock:
-            if step not in self._history:
+            reports = self._steps.get(step)
+            if reports is None:
                 self._history_order.append(step)
-            known_generation, traffic = self._reporters.get(step, (None, {}))
-            if known_generation != generation:
-                traffic = {}
-            lowest = not traffic or rank < min(traffic)
-            traffic[rank] = (bytes_sent, uncompressed_bytes)
-            self._reporters[step] = (generation, traffic)
-            row = self._history[step] if not lowest and known_generation == generation else \
-                {"step": step, "time_s": round(finished_at - self.started, 4), **fields}
-            row["bytes_sent"] = sum(sent for sent, _ in traffic.values())
-            row["uncompressed_bytes"] = sum(full for _, full in traffic.values())
-            self._history[step] = row
+            if reports is None or reports.generation != generation:
+                reports = self._steps[step] = _StepReports(generation, world_size)
+            reports.by_rank[rank] = _RankReport(finished_at, loss_sum, samples, step_s, bytes_sent,
+                                                uncompressed_bytes, timings)
+            if len(reports.by_rank) == world_size:
+                reports.row = self._row(step, reports)
+            return reports.row
+
+    def close_generation(self, generation: int) -> None:
+        """The generation ended: its steps that some rank never reported get rows of what came in."""
+        with self._lock:
+            for step, reports in self._steps.items():
+                if reports.generation == generation and reports.row is None:
+                    reports.row = self._row(step, reports)
+
+    def _row(self, step: int, reports: _StepReports) -> dict[str, Any]:
+        """The history row: loss and samples summed over the ranks heard (all of them, unless one died
+        first), the lowest rank's timings, the step's traffic summed over the ranks."""
+        ranks = reports.by_rank.values()
+        lowest = reports.by_rank[min(reports.by_rank)]
+        samples = sum(r.samples for r in ranks)
+        return {"step": step, "time_s": round(lowest.finished_at - self.started, 4),
+                "loss": sum(r.loss_sum for r in ranks) / samples, "samples": samples,
+                "samples_per_s": round(samples / lowest.step_s, 2), "world_size": reports.world_size,
+                "step_s": round(lowest.step_s, 5), **lowest.timings,
+                "bytes_sent": sum(r.bytes_sent for r in ranks),
+                "uncompressed_bytes": sum(r.uncompressed_bytes for r in ranks)}
 
     def add_samples(self, step: int, sample_ids: tuple[int, ...]) -> None:
         """Ledger entry: the samples all ranks consumed in ``step`` (a redone step replaces its entry)."""
@@ -63,9 +105,16 @@ class RunLog:
             return list(self._events[since:])
 
     def history(self, since: int = 0) -> list[dict[str, Any]]:
-        """Step records in the order steps were first committed, from position ``since`` on."""
+        """Complete step rows in the order steps were first committed, from position ``since`` up to the
+        first step some rank has yet to report (so a reader never sees a loss over part of the batch)."""
         with self._lock:
-            return [self._history[s] for s in self._history_order[since:]]
+            rows = []
+            for step in self._history_order[since:]:
+                row = self._steps[step].row
+                if row is None:
+                    break
+                rows.append(row)
+            return rows
 
     def count(self, type_: str) -> int:
         with self._lock:

@@ -3,11 +3,11 @@
 Each rank runs forward/backward over its slice of the global batch in micro-batches (only the
 last one communicates), with each micro-batch's summed loss scaled by world_size / B, because
 DDP averages gradients over ranks: the result is the gradient of the mean loss over the global
-batch. The sum over ranks of [loss_sum, samples, stop_votes] is both the metrics reduction and
-the control channel: a nonzero stop vote from any rank makes every rank stop after this step, at
-the same step boundary. It rides in DDP's first gradient bucket when the strategy allows, else
-travels as its own all-reduce while the last backward runs (strategies/step_metrics.py); the
-optimizer steps only once it has arrived on this rank.
+batch. The step commits (the optimizer steps) once its gradient communication has completed on
+this rank; a peer lost before that fails the step, which is then discarded. A step makes no
+collective of its own: it reports this rank's summed loss and sample count, and the Controller sums
+them over the ranks (the loss the run reports); stopping at a common step boundary is
+actors/stop_vote.py's job.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from actors.data_order import GlobalSampleOrder, micro_batches
 from strategies.base import Strategy, TrainState
-from strategies.step_metrics import SeparateAllReduce
 from workloads.protocol import Workload
 
 
@@ -30,11 +29,11 @@ from workloads.protocol import Workload
 class StepResult:
     step: int
     """The step's number, 1-based: after it, ``step`` optimizer steps are committed."""
-    loss: float
-    """Mean loss over the global batch."""
+    loss_sum: float
+    """This rank's loss summed over its samples (the Controller sums it over the ranks)."""
     samples: int
+    """The samples this rank trained on in this step."""
     duration_s: float
-    stop_requested: bool
     finished_at: float
     """Wall-clock time (time.time()) when the step was committed."""
     sample_ids: tuple[int, ...] | None = None
@@ -55,7 +54,9 @@ def gather_batch(dataset: Dataset, indices: torch.Tensor, device: torch.device) 
         inputs, targets = (t[indices] for t in dataset.tensors)
     else:
         inputs, targets = default_collate([dataset[i] for i in indices.tolist()])
-    return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    if inputs.device != device:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    return inputs, targets
 
 
 @dataclass
@@ -73,37 +74,33 @@ class StepRunner:
     scaler: torch.amp.GradScaler | None = None
     """fp16 only: dynamic loss scaling (its state lives across steps and generations)."""
 
-    def run(self, state: TrainState, step_index: int, *, stop_vote: bool) -> StepResult:
+    def run(self, state: TrainState, step_index: int) -> StepResult:
         """Train on step ``step_index`` (0-based) and commit it; collectives fail if a peer is lost."""
         started = time.perf_counter()
         rank, world_size = dist.get_rank(), dist.get_world_size()
         indices = self.order.rank_indices(step_index, rank, world_size)
         scale = world_size / self.order.global_batch_size
         chunks = micro_batches(indices, self.micro_batch_size)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        metrics = state.comm.metrics if state.comm and state.comm.metrics else SeparateAllReduce()
+        loss_sum: torch.Tensor | None = None
         state.optimizer.zero_grad(set_to_none=True)
         for position, chunk in enumerate(chunks):
             inputs, targets = gather_batch(self.dataset, chunk, self.device)
             last = position == len(chunks) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(state), self._autocast():
                 loss = self.workload.loss_sum(state.wrapped(inputs), targets)
-            loss_sum += loss.detach().double()
-            if last:
-                metrics.start(torch.stack([loss_sum, loss_sum.new_tensor(float(len(indices))),
-                                           loss_sum.new_tensor(1.0 if stop_vote else 0.0)]))
-            scaled = loss.float() * scale
+            if self.precision != "fp32":
+                loss = loss.float()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            scaled = loss * scale
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         backward_returned = time.perf_counter()
-        reduced = metrics.finish()  # a peer lost during this step fails here or earlier: step discarded
         consumed = self._gather_sample_ids(indices, world_size) if self.record_samples else None
         skipped = self._optimizer_step(state.optimizer)
-        loss_total, samples, stop_votes = reduced.tolist()
         traffic = state.comm.state.take_traffic() if state.comm else None
         timing = state.comm.timer.take(backward_returned) if state.comm else None
-        return StepResult(step=step_index + 1, loss=loss_total / samples, samples=int(samples),
-                          duration_s=time.perf_counter() - started, stop_requested=stop_votes > 0,
-                          finished_at=time.time(), sample_ids=consumed, skipped=skipped,
+        return StepResult(step=step_index + 1, loss_sum=loss_sum.item(), samples=len(indices),
+                          duration_s=time.perf_counter() - started, finished_at=time.time(),
+                          sample_ids=consumed, skipped=skipped,
                           bytes_sent=traffic.bytes_sent if traffic else 0,
                           uncompressed_bytes=traffic.uncompressed_bytes if traffic else 0,
                           comm_s=timing.comm_s if timing else 0.0,

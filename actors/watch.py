@@ -91,6 +91,7 @@ class Watcher:
             for rank, member in enumerate(members):
                 if member.name in live:
                     self._answer(member, rank, live[member.name])
+            self.controller.log.close_generation(self.controller.generation)
 
     def _until_outcome(self, members: list[Member], polls: dict[str, ray.ObjectRef], wait_s: float,
                        stall_timeout: float) -> WatchOutcome:
@@ -163,24 +164,24 @@ class Watcher:
 
     def _record(self, status: Any, rank: int) -> None:
         controller, log = self.controller, self.controller.log
+        completed = None
         for result in status.results:
-            log.add_step(result.step, result.finished_at, generation=controller.generation, rank=rank,
-                         loss=result.loss, samples_per_s=round(result.samples / result.duration_s, 2),
-                         world_size=len(controller.members), bytes_sent=result.bytes_sent,
-                         uncompressed_bytes=result.uncompressed_bytes, step_s=round(result.duration_s, 5),
-                         comm_s=round(result.comm_s, 5), exposed_comm_s=round(result.exposed_comm_s, 5),
-                         **({"skipped": True} if result.skipped else {}))
+            row = log.add_step(result.step, result.finished_at, generation=controller.generation, rank=rank,
+                               world_size=len(controller.members), loss_sum=result.loss_sum, samples=result.samples,
+                               step_s=result.duration_s, bytes_sent=result.bytes_sent,
+                               uncompressed_bytes=result.uncompressed_bytes, comm_s=round(result.comm_s, 5),
+                               exposed_comm_s=round(result.exposed_comm_s, 5),
+                               **({"skipped": True} if result.skipped else {}))
+            completed = row or completed
             if result.sample_ids is not None:
                 log.add_samples(result.step, result.sample_ids)
             if result.step > controller.step:
                 controller.step = result.step
                 controller.on_step_committed(result.finished_at)
-        if status.results:  # the gauges show the newest step (setting them for every step costs the Controller)
-            newest = status.results[-1]
-            if newest.step == controller.step:
-                controller.metrics.step_committed(step=newest.step, loss=newest.loss,
-                                                  samples_per_s=newest.samples / newest.duration_s,
-                                                  world_size=len(controller.members))
+        if completed:  # the gauges show the newest complete step (setting them for every step costs the Controller)
+            controller.metrics.step_committed(step=completed["step"], loss=completed["loss"],
+                                              samples_per_s=completed["samples_per_s"],
+                                              world_size=completed["world_size"])
         for event in status.events:
             log.event(event.pop("type"), event.pop("step"), **event)
 

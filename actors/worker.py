@@ -37,6 +37,7 @@ import torch.distributed as dist
 from actors.data_order import GlobalSampleOrder
 from actors.faults import fire
 from actors.step_loop import StepResult, StepRunner
+from actors.stop_vote import StopVote
 from cluster.config import FaultConfig, OptimConfig, StrategyConfig, TrainingConfig, WorkloadConfig
 from strategies import build_strategy
 from strategies.base import GroupContext, TrainState, init_optimizer_state, memory_breakdown
@@ -117,7 +118,7 @@ class TrainWorker:
         self._results: list[StepResult] = []
         self._events: list[dict] = []
         self._error: str | None = None
-        self._stop_vote = threading.Event()
+        self._stop_requested = threading.Event()
         self._thread: threading.Thread | None = None
         self._profiled = False
         gc.freeze()  # the collection at every new generation then only walks what came after (~0.4 s less)
@@ -131,6 +132,8 @@ class TrainWorker:
         self._wait_for_loop()
         self._wait_for_save()
         self._last_save = None
+        with self._lock:  # step results the Controller did not take before the last generation ended
+            self._results = []
         previous = self.state if self.strategy.replicated else None
         self.state = None
         gc.collect()  # the old DDP's reducer and its autograd hooks on our parameters must be gone
@@ -147,7 +150,7 @@ class TrainWorker:
         if previous is None and not self.strategy.replicated:
             self.step = 0
         self._set_phase("idle")
-        self._stop_vote.clear()
+        self._stop_requested.clear()
         return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.step)
 
     def sync_state(self, source_rank: int) -> int:
@@ -178,8 +181,9 @@ class TrainWorker:
         self._thread.start()
 
     def request_stop(self) -> None:
-        """Vote to stop at the next step boundary; every rank stops after the same step."""
-        self._stop_vote.set()
+        """Vote to stop at a step boundary (the next vote's, ~actors.stop_vote.VOTE_PERIOD_S away);
+        every rank stops after the same step."""
+        self._stop_requested.set()
 
     def poll(self, wait_s: float = 0.0, seen: int = -1) -> WorkerStatus:
         """Phase, committed step and the step results since the last poll; waits up to ``wait_s``
@@ -268,6 +272,7 @@ class TrainWorker:
 
     def _steps(self, until_step: int, faults: tuple[FaultConfig, ...], profiler: Any) -> None:
         compiling = self.spec.training.compile
+        vote = StopVote(first_step=self.step, device=self.device)
         while self.step < until_step:
             for fault in faults:
                 if fault.step == self.step + 1 and fault.action == "ray_kill":
@@ -275,7 +280,11 @@ class TrainWorker:
                     threading.Event().wait()
                 elif fault.step == self.step + 1:
                     fire(fault)
-            result = self.runner.run(self.state, self.step, stop_vote=self._stop_vote.is_set())
+            voting = vote.due(self.step)
+            if voting:
+                vote.open(self.step, stop=self._stop_requested.is_set())
+            result = self.runner.run(self.state, self.step)
+            stop = vote.close(self.step) if voting else False
             with self._lock:
                 self.step = result.step
                 self._results.append(result)
@@ -289,7 +298,7 @@ class TrainWorker:
             if self.spec.checkpointer.due(self.step):
                 self._wait_for_save()
                 self._start_save()
-            if result.stop_requested:
+            if stop:
                 self._set_phase("stopped")
                 return
         self._set_phase("finished")
@@ -310,7 +319,7 @@ class TrainWorker:
             self._thread = None
 
     def shutdown(self) -> None:
-        self._stop_vote.set()
+        self._stop_requested.set()
         self._wait_for_loop()
         self._wait_for_save()
         leave_group()

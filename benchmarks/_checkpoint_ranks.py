@@ -129,7 +129,7 @@ def save_and_load_rank(scratch: str, rounds: int, foreign: dict | None, save: bo
     """Rank body of the save/load part; ``foreign`` is another world size's checkpoint to reshard."""
     world_size = dist.get_world_size()
     setup = set_up("zero3", GPT_50M, global_batch_size=world_size, micro_batch_size=1)
-    setup.runner.run(setup.state, 0, stop_vote=False)
+    setup.runner.run(setup.state, 0)
     bench = SaveLoad(setup, dist.new_group(backend="gloo"))
     root = Path(scratch) / f"n{world_size}"
     checkpointer = Checkpointer(root=str(root / "dcp"), every_steps=0, num_to_keep=1, config_hash="benchmark",
@@ -171,7 +171,7 @@ def async_cost_rank(scratch: str, periods: int) -> dict:
                                         async_save=mode == "async") for mode in MODES}
     step = 0
     for _ in range(2):  # warm-up; creates Adam's state
-        setup.runner.run(setup.state, step, stop_vote=False)
+        setup.runner.run(setup.state, step)
         step += 1
     measured: dict[str, dict[str, list[float]]] = {k: {m: [] for m in MODES} for k in ("wall_s", "save_call_s",
                                                                                          "final_wait_s")}
@@ -181,7 +181,7 @@ def async_cost_rank(scratch: str, periods: int) -> dict:
             dist.barrier()
             started = time.perf_counter()
             for index in range(PERIOD):
-                setup.runner.run(setup.state, step, stop_vote=False)
+                setup.runner.run(setup.state, step)
                 step += 1
                 if mode != "none" and index == PERIOD // 2 - 1:
                     save_started = time.perf_counter()

@@ -134,9 +134,9 @@ def measure_rank(strategy_name: str) -> dict:
     world_size = dist.get_world_size()
     setup = set_up(strategy_name, GPT_50M, global_batch_size=world_size, micro_batch_size=1)
     setup_rss_growth = (_status_kib("VmHWM") - rss_before) * 1024  # every rank builds the whole model first
-    setup.runner.run(setup.state, 0, stop_vote=False)
+    setup.runner.run(setup.state, 0)
     sampler = PeakSampler(setup.state)
-    setup.runner.run(setup.state, 1, stop_vote=False)
+    setup.runner.run(setup.state, 1)
     sampler.remove()
     logging_data = getattr(setup.state.wrapped, "_get_ddp_logging_data", dict)()
     buckets = sum(int(b) for b in str(logging_data.get("bucket_sizes", "")).split(",") if b.strip())

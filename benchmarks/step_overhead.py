@@ -6,14 +6,17 @@ order flips every round) so that all four see the same machine:
 
 - ``ddp``: plain DDP as a user writes it (the torchrun peer of benchmarks/throughput.py);
 - ``+hook``: our timed, byte-counting uncompressed comm hook (strategies.compression "none");
-- ``+metrics``: and the step's [loss, samples, stop vote] summed over ranks, carried in bucket 0;
 - ``steprunner``: our whole step (actors.step_loop.StepRunner): data slicing, loss scaling,
-  metrics, optimizer step, the StepResult.
+  optimizer step, this rank's loss, the StepResult;
+- ``+vote``: and the stop vote (actors.stop_vote), as TrainWorker's loop runs them.
 
-``--ray`` runs the same four inside two Ray actors (in a thread, as TrainWorker runs its loop),
-to tell what Ray's worker process adds from what our step adds. What the whole system adds on
-top (Controller, polls, driver) is benchmarks/throughput.py's ours/torchrun. Run from the
-repository root (about 2 minutes on 2 cores)::
+Per step it reports wall time and the CPU time of the training thread and of the whole process
+(gloo's threads included): on a shared 2-core VM wall time swings by tens of percent from round to
+round, CPU time much less, and on 2 busy cores CPU spent is wall time lost. ``--ray`` runs the same
+four inside two Ray actors (in a thread, as TrainWorker runs its loop), to tell what Ray's worker
+process adds from what our step adds. What the whole system adds on top (Controller, polls,
+driver) is benchmarks/throughput.py's ours/torchrun. Run from the repository root (about 2
+minutes on 2 cores)::
 
     python -m benchmarks.step_overhead               # in 2 plain processes
     python -m benchmarks.step_overhead --ray         # in 2 Ray actors
@@ -40,18 +43,20 @@ import torch.distributed as dist
 from benchmarks.throughput import RESULTS, machine_info
 from tests.distributed_harness import run_distributed
 
-VARIANTS = ("ddp", "+hook", "+metrics", "steprunner")
+VARIANTS = ("ddp", "+hook", "steprunner", "+vote")
+MEASURES = ("wall", "thread_cpu", "process_cpu")
 GLOBAL_BATCH = 64
+WARMUP_STEPS = 200
 
 
 def make_step(variant: str) -> Callable[[int], None]:
     """A function that trains step k of the digits job on the current 2-rank group."""
     from actors.data_order import GlobalSampleOrder
     from actors.step_loop import StepRunner
+    from actors.stop_vote import StopVote
     from strategies.compression import make_comm_hook
     from strategies.ddp import DDPStrategy
     from strategies.overlap import CommTimer
-    from strategies.step_metrics import BucketPiggyback
     from workloads import load_workload
 
     torch.manual_seed(0)
@@ -63,17 +68,29 @@ def make_step(variant: str) -> Callable[[int], None]:
     def build_optimizer(parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.0)
 
-    if variant == "steprunner":
-        state = DDPStrategy().setup(workload.build_model, build_optimizer, torch.device("cpu"), None)
-        runner = StepRunner(workload, dataset, order, DDPStrategy(), None, torch.device("cpu"))
-        return lambda k: runner.run(state, k, stop_vote=False)
+    if variant in ("steprunner", "+vote"):
+        device = torch.device("cpu")
+        state = DDPStrategy().setup(workload.build_model, build_optimizer, device, None)
+        runner = StepRunner(workload, dataset, order, DDPStrategy(), None, device)
+        if variant == "steprunner":
+            return lambda k: runner.run(state, k)
+        vote = StopVote(first_step=0, device=device)
+
+        def voting_step(k: int) -> None:  # TrainWorker._steps without its bookkeeping
+            voting = vote.due(k)
+            if voting:
+                vote.open(k, stop=False)
+            runner.run(state, k)
+            if voting:
+                vote.close(k)
+
+        return voting_step
 
     model = torch.nn.parallel.DistributedDataParallel(workload.build_model(), bucket_cap_mb=25.0)
     optimizer = build_optimizer(list(model.parameters()))
-    metrics = BucketPiggyback() if variant == "+metrics" else None
-    if variant != "ddp":
+    if variant == "+hook":
         hook = make_comm_hook("none")
-        model.register_comm_hook(hook.state, CommTimer().wrap(metrics.wrap(hook.hook) if metrics else hook.hook))
+        model.register_comm_hook(hook.state, CommTimer().wrap(hook.hook))
     inputs, targets = dataset.tensors
     scale = world_size / GLOBAL_BATCH
 
@@ -81,48 +98,46 @@ def make_step(variant: str) -> Callable[[int], None]:
         indices = order.rank_indices(k, rank, world_size)
         optimizer.zero_grad(set_to_none=True)
         loss = workload.loss_sum(model(inputs[indices]), targets[indices])
-        if metrics:
-            metrics.start(torch.stack([loss.detach().double(), loss.new_tensor(len(indices), dtype=torch.float64),
-                                       loss.new_tensor(0.0, dtype=torch.float64)]))
         (loss * scale).backward()
-        if metrics:
-            metrics.finish()
         optimizer.step()
         loss.item()
 
     return step
 
 
-def measure(steps: int, rounds: int, warmup: int = 200) -> dict[str, list[float]]:
-    """Microseconds per step of every variant, per round (collective: every rank calls it)."""
+def measure(steps: int, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Per variant and measure ("wall", "thread_cpu", "process_cpu"), microseconds per step in every
+    round (collective: every rank calls it)."""
     torch.set_num_threads(1)
     step_functions = {variant: make_step(variant) for variant in VARIANTS}
     for step in step_functions.values():
-        for k in range(warmup):
+        for k in range(WARMUP_STEPS):
             step(k)
-    per_round: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    per_round: dict[str, dict[str, list[float]]] = {v: {m: [] for m in MEASURES} for v in VARIANTS}
     for round_index in range(rounds):
         for variant in VARIANTS if round_index % 2 == 0 else VARIANTS[::-1]:
             dist.barrier()
-            started = time.perf_counter()
-            for k in range(warmup, warmup + steps):
+            started = (time.perf_counter(), time.thread_time(), time.process_time())
+            for k in range(WARMUP_STEPS, WARMUP_STEPS + steps):
                 step_functions[variant](k)
-            per_round[variant].append(round((time.perf_counter() - started) / steps * 1e6, 1))
+            ended = (time.perf_counter(), time.thread_time(), time.process_time())
+            for measure_name, begin, end in zip(MEASURES, started, ended, strict=True):
+                per_round[variant][measure_name].append(round((end - begin) / steps * 1e6, 1))
     return per_round
 
 
-def in_processes(steps: int, rounds: int) -> dict[str, list[float]]:
+def in_processes(steps: int, rounds: int) -> dict[str, dict[str, list[float]]]:
     return run_distributed(measure, 2, steps, rounds, timeout_s=900.0)[0]
 
 
-def in_ray_actors(steps: int, rounds: int) -> dict[str, list[float]]:
+def in_ray_actors(steps: int, rounds: int) -> dict[str, dict[str, list[float]]]:
     import ray
 
     from cluster.connect import ray_session
 
     @ray.remote(num_cpus=1)
     class Rank:
-        def run(self, rank: int, store_path: str) -> dict[str, list[float]]:
+        def run(self, rank: int, store_path: str) -> dict[str, dict[str, list[float]]]:
             box: list = []
 
             def loop() -> None:  # TrainWorker trains in a thread of its own, too
@@ -155,20 +170,24 @@ def main(argv: list[str] | None = None) -> None:
 
     os.chdir(Path(__file__).resolve().parent.parent)  # Ray workers import the project from here
     per_round = (in_ray_actors if args.ray else in_processes)(args.steps, args.rounds)
-    medians = {variant: statistics.median(values) for variant, values in per_round.items()}
-    baseline = medians["ddp"]
+    medians = {v: {m: statistics.median(per_round[v][m]) for m in MEASURES} for v in VARIANTS}
     where = "2 Ray actors" if args.ray else "2 processes"
-    print(f"\ndigits MLP, B={GLOBAL_BATCH}, {where}, medians of {args.rounds} rounds x {args.steps} steps")
+    print(f"\ndigits MLP, B={GLOBAL_BATCH}, {where}, rank 0, medians of {args.rounds} rounds x {args.steps} steps "
+          "(x plain DDP)")
+    print(f"  {'':11s} {'wall us':>15s} {'thread CPU us':>15s} {'process CPU us':>15s}")
     for variant in VARIANTS:
-        print(f"  {variant:11s} {medians[variant]:7.0f} us/step  ({medians[variant] - baseline:+5.0f} us, "
-              f"{medians[variant] / baseline:.3f}x ddp)")
+        cells = [f"{medians[variant][m]:6.0f} ({medians[variant][m] / medians['ddp'][m]:.3f})" for m in MEASURES]
+        print(f"  {variant:11s} " + " ".join(f"{cell:>15s}" for cell in cells))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("step_overhead_ray.json" if args.ray else "step_overhead.json")
     path.write_text(json.dumps({
         "benchmark": "us per step of the digits MLP: plain DDP vs our step's pieces, same processes, alternating",
         "where": where, "machine": machine_info(), "steps": args.steps, "rounds": args.rounds,
+        "measures": {"wall": "perf_counter", "thread_cpu": "the training thread's CPU time (time.thread_time)",
+                     "process_cpu": "the rank's whole process, gloo's threads included (time.process_time)"},
         "us_per_step_per_round": per_round, "median_us_per_step": medians,
-        "ratio_to_ddp": {variant: round(medians[variant] / baseline, 4) for variant in VARIANTS}}, indent=1) + "\n")
+        "ratio_to_ddp": {v: {m: round(medians[v][m] / medians["ddp"][m], 4) for m in MEASURES} for v in VARIANTS}},
+        indent=1) + "\n")
     print(f"wrote {path}")
 
 

@@ -38,12 +38,10 @@ class GroupContext:
 
 @dataclass
 class CommInstruments:
-    """A DDP communication hook's state (bytes sent), its timer (overlap) and, when its buckets
-    carry the step's metrics, how they are summed (a ``strategies.step_metrics.MetricsReduction``)."""
+    """A DDP communication hook's state (bytes sent) and its timer (overlap)."""
 
     state: Any
     timer: Any
-    metrics: Any = None
 
 
 @dataclass

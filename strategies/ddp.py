@@ -22,7 +22,6 @@ from strategies.compression import CompressionOptions, make_comm_hook
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
 from strategies.hierarchical import make_hierarchical_hook
 from strategies.overlap import CommTimer
-from strategies.step_metrics import BucketPiggyback
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_cap_mb: float) -> torch.nn.Module:
@@ -44,8 +43,7 @@ def ddp_no_sync(wrapped: torch.nn.Module) -> AbstractContextManager:
 class DDPStrategy:
     bucket_cap_mb: float = 25.0
     compression: str = "none"
-    """A kind from strategies.compression ("none": plain all-reduce, still timed and counted, and
-    carrying the step's metrics in its first bucket: strategies/step_metrics.py)."""
+    """A kind from strategies.compression ("none": plain all-reduce, still timed and counted)."""
     compression_options: CompressionOptions = field(default_factory=CompressionOptions)
     hierarchical: bool = False
     name: str = "ddp"
@@ -70,10 +68,8 @@ class DDPStrategy:
                 hook = make_comm_hook(self.compression, options=self.compression_options,
                                       completed_steps=context.completed_steps if context else 0)
             timer = CommTimer()
-            metrics = BucketPiggyback() if self.compression == "none" and not self.hierarchical else None
-            carrying = metrics.wrap(hook.hook) if metrics else hook.hook
-            wrapped.register_comm_hook(hook.state, timer.wrap(carrying))
-            comm = CommInstruments(state=hook.state, timer=timer, metrics=metrics)
+            wrapped.register_comm_hook(hook.state, timer.wrap(hook.hook))
+            comm = CommInstruments(state=hook.state, timer=timer)
         return TrainState(model=model, wrapped=wrapped, optimizer=optimizer, comm=comm)
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:

@@ -41,7 +41,7 @@ def train_and_report(strategy_name: str, steps: int, checkpoint_root: str | None
     """Train ``steps`` steps; optionally checkpoint; return the full (gathered) canonical state."""
     strategy, state, runner = setup(strategy_name, optimizer)
     for step in range(steps):
-        runner.run(state, step, stop_vote=False)
+        runner.run(state, step)
     if checkpoint_root is not None:
         checkpointer = Checkpointer(root=checkpoint_root, every_steps=0, num_to_keep=3, config_hash="test",
                                     global_batch_size=GLOBAL_BATCH)
@@ -75,7 +75,7 @@ def train_with_saves(strategy_name: str, steps: int, checkpoint_root: str, every
                                 global_batch_size=GLOBAL_BATCH)
     saved = []
     for step in range(steps):
-        runner.run(state, step, stop_vote=False)
+        runner.run(state, step)
         if checkpointer.due(step + 1):
             checkpointer.save(step + 1, strategy.state_dict(state), strategy=strategy_name,
                               world_size=dist.get_world_size()).result()

@@ -102,7 +102,8 @@ def test_failures_beyond_max_end_the_run_with_a_loadable_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference, strategy):
-    # 4 logical CPUs: the blocker leaves room for exactly 2 workers of 0.5 CPU until it ends.
+    # 4 logical CPUs: the blocker leaves room for exactly 2 workers of 0.5 CPU until it ends. Steps of
+    # 0.5 s leave the third worker ~15 s to start (3.5 s on an idle machine, 10+ s on a slow one).
     blocker = ray.remote(num_cpus=3)(_Blocker).remote()
     ray.get(blocker.ready.remote())
     actions = {}
@@ -116,7 +117,7 @@ def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference
             actions["drained"] = ray.get(controller.drain.remote(rank=1))
 
     result, state = run_disturbed(tmp_path, "scale", "workload.name=tests.user_workload:SlowDigits",
-                                  "workload.options={pause_s: 0.25}", f"strategy.name={strategy}", on_progress=act)
+                                  "workload.options={pause_s: 0.5}", f"strategy.name={strategy}", on_progress=act)
     _, reference_state = reference
     assert_states_close(state, reference_state)
     sizes = [row["world_size"] for row in result.history]

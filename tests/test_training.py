@@ -18,16 +18,19 @@ def run(tmp_path, name, *overrides):
     return result, run_dir
 
 
-def test_same_parameters_at_world_size_1_2_3(tmp_path):
-    states = {}
+def test_same_parameters_and_losses_at_world_size_1_2_3(tmp_path):
+    states, losses = {}, {}
     for workers in (1, 2, 3):
         result, run_dir = run(tmp_path, f"ws{workers}", f"scaling.min_workers={workers}",
                               f"scaling.max_workers={workers}", "training.micro_batch_size=7")
         assert result.final_step == 20
         assert {row["world_size"] for row in result.history} == {workers}
+        assert {row["samples"] for row in result.history} == {48}  # every rank's part of the batch was summed
         states[workers] = load_model(run_dir)
+        losses[workers] = [row["loss"] for row in result.history]
     assert_states_close(states[1], states[2])
     assert_states_close(states[1], states[3])
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5) and losses[3] == pytest.approx(losses[1], rel=1e-5)
 
 
 def test_bucket_size_does_not_change_the_result(tmp_path):

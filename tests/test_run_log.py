@@ -1,0 +1,56 @@
+"""The run log's step rows: every rank's part of the batch summed, shown only once complete."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.events import RunLog
+
+
+def _report(log: RunLog, step: int, rank: int, *, generation: int = 0, world_size: int = 2, loss_sum: float,
+            samples: int, step_s: float = 0.01, bytes_sent: int = 100):
+    return log.add_step(step, log.started + step, generation=generation, rank=rank, world_size=world_size,
+                        loss_sum=loss_sum, samples=samples, step_s=step_s, bytes_sent=bytes_sent,
+                        uncompressed_bytes=2 * bytes_sent, comm_s=0.001 * (rank + 1))
+
+
+def test_a_row_sums_every_ranks_part_and_keeps_the_lowest_ranks_timings():
+    log = RunLog()
+    assert _report(log, 1, rank=1, loss_sum=6.0, samples=3, step_s=0.02) is None  # rank 0 not heard yet
+    row = _report(log, 1, rank=0, loss_sum=2.0, samples=5, step_s=0.01)
+    assert row["loss"] == pytest.approx(8.0 / 8) and row["samples"] == 8
+    assert row["samples_per_s"] == pytest.approx(8 / 0.01) and row["step_s"] == 0.01 and row["comm_s"] == 0.001
+    assert row["bytes_sent"] == 200 and row["uncompressed_bytes"] == 400 and row["world_size"] == 2
+    assert row["time_s"] == pytest.approx(1.0, abs=1e-3)
+    assert log.history() == [row]
+
+
+def test_history_stops_at_the_first_step_a_rank_has_yet_to_report():
+    log = RunLog()
+    for step in (1, 2, 3):
+        _report(log, step, rank=0, loss_sum=1.0, samples=4)
+    _report(log, 1, rank=1, loss_sum=3.0, samples=4)
+    _report(log, 3, rank=1, loss_sum=3.0, samples=4)
+    assert [row["step"] for row in log.history()] == [1]  # step 2 waits for rank 1, and step 3 behind it
+    _report(log, 2, rank=1, loss_sum=3.0, samples=4)
+    assert [row["step"] for row in log.history(since=1)] == [2, 3]
+
+
+def test_a_closed_generation_shows_what_the_survivors_reported():
+    log = RunLog()
+    _report(log, 1, rank=0, loss_sum=1.0, samples=4)
+    _report(log, 1, rank=1, loss_sum=3.0, samples=4)
+    _report(log, 2, rank=0, loss_sum=2.0, samples=4)  # rank 1 died before its report of step 2 came in
+    assert len(log.history()) == 1
+    log.close_generation(0)
+    partial = log.history()[1]
+    assert partial["loss"] == pytest.approx(0.5) and partial["samples"] == 4
+
+
+def test_a_step_redone_in_a_later_generation_replaces_the_discarded_attempt():
+    log = RunLog()
+    _report(log, 1, rank=0, loss_sum=1.0, samples=4)
+    log.close_generation(0)
+    row = _report(log, 1, rank=0, generation=1, world_size=1, loss_sum=8.0, samples=8)
+    assert row["loss"] == 1.0 and row["world_size"] == 1
+    assert [r["loss"] for r in log.history()] == [1.0]
