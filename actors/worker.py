@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from actors.data_order import GlobalSampleOrder
 from actors.faults import fire
+from actors.priority import run_at_normal_priority
 from actors.step_loop import StepResult, StepRunner
 from actors.stop_vote import StopVote
 from cluster.config import FaultConfig, OptimConfig, StrategyConfig, TrainingConfig, WorkloadConfig
@@ -45,6 +47,8 @@ from strategies.checkpoint import Checkpointer, load_into
 from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group, leave_group
 from strategies.state_transfer import broadcast_training_state
 from workloads import load_workload
+
+logger = logging.getLogger(__name__)
 
 Phase = Literal["idle", "training", "stopped", "finished", "failed", "awaiting_kill"]
 
@@ -93,6 +97,9 @@ def optimizer_factory(config: OptimConfig):
 
 class TrainWorker:
     def __init__(self, spec: WorkerSpec) -> None:
+        priority_warning = run_at_normal_priority()  # before any thread of ours starts: they inherit it
+        if priority_warning:
+            logger.warning(priority_warning)
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.device = choose_device(spec.use_gpu)

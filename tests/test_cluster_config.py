@@ -49,12 +49,13 @@ def test_config_puts_this_repository_on_the_nodes_and_installs_it(name: str) -> 
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_config_starts_ray_with_token_auth_and_a_loopback_dashboard(name: str) -> None:
+def test_config_starts_ray_with_token_auth_a_loopback_dashboard_and_workers_at_normal_priority(name: str) -> None:
     prepared = _validated(_load(name))
     assert prepared["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     head_start = " ".join(prepared["head_start_ray_commands"])
     worker_start = " ".join(prepared["worker_start_ray_commands"])
     assert "RAY_AUTH_MODE=token" in head_start and "RAY_AUTH_MODE=token" in worker_start
+    assert "RAY_worker_niceness=0" in head_start and "RAY_worker_niceness=0" in worker_start
     assert "--dashboard-host=127.0.0.1" in head_start
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head_start
     assert "--metrics-export-port=8080" in head_start and "--metrics-export-port=8080" in worker_start

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -95,3 +96,30 @@ def test_export_command_writes_a_plain_state_dict_with_identical_outputs(tmp_pat
     ours.load_state_dict(load_model(run_dir))
     inputs = torch.rand(16, 64)
     assert torch.equal(plain(inputs), ours(inputs))
+
+
+def _niceness_of_threads(pid: int) -> dict[int, int]:
+    """Thread id -> niceness, for every thread of process ``pid`` (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    from pathlib import Path
+
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return {int(task.name): int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
+
+
+def test_training_workers_run_at_normal_priority_and_the_controller_at_rays(tmp_path):
+    import ray
+
+    seen = {}
+
+    def look(progress):
+        if progress["step"] >= 3 and not seen:
+            seen["workers"] = [_niceness_of_threads(ray.get(ray.get_actor(f"raylastic:nice:worker{i}").pid.remote()))
+                               for i in (1, 2)]
+            controller_pid = ray.get(ray.get_actor("raylastic:nice:controller").__ray_call__.remote(
+                lambda self: os.getpid()))
+            seen["controller"] = _niceness_of_threads(controller_pid)[controller_pid]
+
+    train(job("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.1}",
+              "training.steps=12", name="nice"), run_dir=tmp_path / "nice", on_progress=look)
+    assert [set(threads.values()) for threads in seen["workers"]] == [{0}, {0}]  # the step loop, gloo's, Ray's
+    assert seen["controller"] == 15  # Ray's worker_niceness: the control plane yields to training

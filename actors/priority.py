@@ -1,0 +1,47 @@
+"""Training workers run at a normal process's CPU priority (niceness 0), as torchrun's ranks do.
+
+Ray starts its worker processes at niceness ``worker_niceness`` (15 by default) so that the raylet
+and the GCS stay responsive beside CPU-hungry tasks. A training rank is not such a task: it owns the
+CPU slot it reserved, and the whole step waits for the slowest rank's all-reduce. At niceness 15
+every nice-0 process that wakes on a busy machine (the driver, the raylet, the GCS, the metrics
+agent) takes the core from a rank first; on this 2-core machine a 2 ms digits step then ran at
+~0.8 of torchrun's samples/s, at niceness 0 at ~0.97 (benchmarks/throughput.py, README).
+
+Linux keeps a niceness per thread, and new threads inherit their creator's: so every thread the
+worker process has is lowered, and the threads it starts later (the step loop, gloo's) follow.
+Lowering niceness needs root or CAP_SYS_NICE; without either the worker keeps Ray's niceness and
+says how to start Ray so that it does not apply one.
+
+Example::
+
+    warning = run_at_normal_priority()   # None, or why the process could not
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+NORMAL_NICENESS = 0
+
+
+def run_at_normal_priority() -> str | None:
+    """Set every thread of this process to niceness 0 if it is higher; a warning if not permitted."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if current <= NORMAL_NICENESS:
+        return None
+    try:
+        for thread_id in _thread_ids():
+            os.setpriority(os.PRIO_PROCESS, thread_id, NORMAL_NICENESS)
+    except PermissionError:
+        return (f"this training worker runs at niceness {current} (Ray's worker_niceness) and may not lower it "
+                "(needs root or CAP_SYS_NICE): peers and Ray's own processes can take its core mid-step. Start "
+                "Ray with RAY_worker_niceness=0 in the environment of `ray start` (cluster.yaml does) for "
+                "full speed")
+    return None
+
+
+def _thread_ids() -> list[int]:
+    """This process's thread ids (Linux: /proc/self/task); elsewhere the process itself."""
+    tasks = Path("/proc/self/task")
+    return [int(entry.name) for entry in tasks.iterdir()] if tasks.is_dir() else [0]
