@@ -4,13 +4,15 @@ Ray starts its worker processes at niceness ``worker_niceness`` (15 by default) 
 and the GCS stay responsive beside CPU-hungry tasks. A training rank is not such a task: it owns the
 CPU slot it reserved, and the whole step waits for the slowest rank's all-reduce. At niceness 15
 every nice-0 process that wakes on a busy machine (the driver, the raylet, the GCS, the metrics
-agent) takes the core from a rank first; on this 2-core machine a 2 ms digits step then ran at
-~0.8 of torchrun's samples/s, at niceness 0 at ~0.97 (benchmarks/throughput.py, README).
+agent) takes the core from a rank first. On this noisy 2-core VM, 2 ms digits steps at niceness 0
+were faster than at 15 in 12 of 19 alternating rounds of benchmarks/throughput.py (median +12%).
 
-Linux keeps a niceness per thread, and new threads inherit their creator's: so every thread the
-worker process has is lowered, and the threads it starts later (the step loop, gloo's) follow.
-Lowering niceness needs root or CAP_SYS_NICE; without either the worker keeps Ray's niceness and
-says how to start Ray so that it does not apply one.
+Three ways to get there: the local instance ``raylastic train`` starts sets ``worker_niceness`` 0
+(cluster/connect.py); clusters started with ``RAY_worker_niceness=0`` (cluster.yaml) do the same; and
+otherwise a worker lowers its own niceness here. Linux keeps a niceness per thread, and new threads
+inherit their creator's: so every thread the worker process has is lowered, and the threads it starts
+later (the step loop, gloo's) follow. Lowering niceness needs root or CAP_SYS_NICE; without either
+the worker keeps Ray's niceness and says how to start Ray so that it does not apply one.
 
 Example::
 

@@ -141,9 +141,9 @@ class TrainWorker:
         self._last_save = None
         with self._lock:  # step results the Controller did not take before the last generation ended
             self._results = []
-        previous = self.state if self.strategy.replicated else None
-        self.state = None
-        gc.collect()  # the old DDP's reducer and its autograd hooks on our parameters must be gone
+        previous = self.state.kept_across_groups() if self.strategy.replicated and self.state else None
+        self.state, self.checkpoint_group = None, None
+        gc.collect()  # the old DDP's reducer, its autograd hooks and its hold on the old group must be gone
         join_group(assignment, self.backend)
         self.checkpoint_group = dist.new_group(backend="gloo")  # async saves must not share the training group
         node_ids: list[str] = [""] * assignment.world_size

@@ -46,8 +46,11 @@ def ray_session(address: str | None = None, *, min_cpus: float = 0.0) -> Iterato
     else:
         # "local": a new instance even if `ray start` left one on this machine (ray.init's default
         # would connect to that one, and then refuses num_cpus).
+        # worker_niceness 0: Ray's workers (ours: the training ranks) at normal CPU priority, without
+        # root; see actors/priority.py.
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
-                 include_dashboard=False, dashboard_host="127.0.0.1", **options)
+                 include_dashboard=False, dashboard_host="127.0.0.1", _system_config={"worker_niceness": 0},
+                 **options)
     try:
         yield
     finally:

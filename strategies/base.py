@@ -56,6 +56,17 @@ class TrainState:
     comm: CommInstruments | None = None
     """Set when a timed communication hook is registered (ddp at world size > 1)."""
 
+    def kept_across_groups(self) -> TrainState:
+        """The model and optimizer alone: what a replicated strategy carries into the next group.
+
+        The wrapper (DDP's reducer) and the hook state hold the current process group. They must be
+        freed before the group is destroyed: if one of them drops the group's last reference, the
+        group's destructor joins gloo's worker threads while holding the GIL, and a worker thread
+        finishing a collective left in flight by a failed step needs the GIL to free its tensors (a
+        deadlock; tests/test_group_handover.py reproduces it).
+        """
+        return TrainState(model=self.model, wrapped=self.model, optimizer=self.optimizer)
+
 
 class Strategy(Protocol):
     name: str

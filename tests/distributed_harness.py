@@ -99,7 +99,8 @@ def _rank_main(function: Callable[..., Any], rank: int, world_size: int, store_p
         buffer = io.BytesIO()
         torch.save(value, buffer)
         results.put((rank, True, buffer.getvalue()))
-        dist.destroy_process_group()
+        if dist.is_initialized():  # ``function`` may have left the group itself
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         results.put((rank, False, traceback.format_exc()))
 
