@@ -17,7 +17,8 @@ Usage, in the step loop of every rank::
         voting = vote.due(step)
         if voting:
             vote.open(step, stop=asked_to_stop)
-        train_step(step)
+        train_step(step)                   # commits the step (the optimizer steps) ...
+        record(step)                       # ... so count it before the vote can fail
         if voting and vote.close(step):
             break                          # every rank breaks after this same step
 """

@@ -287,11 +287,11 @@ class TrainWorker:
                     threading.Event().wait()
                 elif fault.step == self.step + 1:
                     fire(fault)
-            voting = vote.due(self.step)
+            step_index = self.step
+            voting = vote.due(step_index)
             if voting:
-                vote.open(self.step, stop=self._stop_requested.is_set())
-            result = self.runner.run(self.state, self.step)
-            stop = vote.close(self.step) if voting else False
+                vote.open(step_index, stop=self._stop_requested.is_set())
+            result = self.runner.run(self.state, step_index)
             with self._lock:
                 self.step = result.step
                 self._results.append(result)
@@ -300,6 +300,9 @@ class TrainWorker:
                                          "first_step_s": round(result.duration_s, 3)})
                     self._announce()
                     compiling = False
+            # Only now: the optimizer has stepped, so a vote that fails (a peer lost since its gradients
+            # arrived) must find the step counted, or the next generation would train this step again.
+            stop = vote.close(step_index) if voting else False
             if profiler is not None:
                 profiler.step()
             if self.spec.checkpointer.due(self.step):

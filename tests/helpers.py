@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -24,3 +25,14 @@ def assert_states_close(first: dict, second: dict, rtol: float = 1e-4, atol: flo
     assert first.keys() == second.keys()
     for key in first:
         torch.testing.assert_close(first[key], second[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def with_ctrl_c_enabled(command: list[str]) -> list[str]:
+    """``command`` started with SIGINT at its default disposition, as Ctrl-C finds a program in a terminal.
+
+    A test runner started in the background by a non-interactive shell (``cmd &``, as CI may run it)
+    ignores SIGINT, and children inherit that: a SIGINT sent to them would be lost. ``command[0]``
+    must be a path (``sys.executable``).
+    """
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    return [sys.executable, "-c", reset, *command]

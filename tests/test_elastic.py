@@ -20,7 +20,7 @@ from cluster.job import train
 from strategies.checkpoint import latest_checkpoint
 from strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT
-from tests.helpers import assert_states_close, job, load_model
+from tests.helpers import assert_states_close, job, load_model, with_ctrl_c_enabled
 from workloads.digits import Digits
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -188,8 +188,8 @@ def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
     for override in ["name=interrupted", "training.steps=400", "scaling.cpus_per_worker=0.5",
                      "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.05}"]:
         command += ["--set", override]
-    driver = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "CI": "true"})
+    driver = subprocess.Popen(with_ctrl_c_enabled(command), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "CI": "true"})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:

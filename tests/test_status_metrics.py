@@ -14,12 +14,14 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import with_ctrl_c_enabled
 from tests.ray_head import RayHead, start_head, stop_head
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -45,13 +47,14 @@ def running_job(head: RayHead, tmp_path_factory: pytest.TempPathFactory):
     """``raylastic train --address auto`` of a long, slowed run; yields once it has failed and recovered."""
     run_dir = tmp_path_factory.mktemp("run")
     output = run_dir / "driver.log"
-    command = ["python", "-m", "cluster", "train", "--address", "auto", "--run-dir", str(run_dir),
+    command = [sys.executable, "-m", "cluster", "train", "--address", "auto", "--run-dir", str(run_dir),
                "--set", f"name={RUN}", "--set", "workload.name=tests.user_workload:SlowDigits",
                "--set", "workload.options={pause_s: 0.05}", "--set", "training.steps=5000",
                "--set", "scaling.min_workers=1", "--set", "scaling.max_workers=2",
                "--set", "scaling.cpus_per_worker=0.5", "--set", "faults=[{action: raise, rank: 1, step: 5}]"]
     with open(output, "w") as log:
-        driver = subprocess.Popen(command, cwd=REPO_ROOT, env=head.client_env(), stdout=log, stderr=subprocess.STDOUT)
+        driver = subprocess.Popen(with_ctrl_c_enabled(command), cwd=REPO_ROOT, env=head.client_env(), stdout=log,
+                                  stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + RECOVERY_TIMEOUT_S
         while ": recovered" not in output.read_text():
