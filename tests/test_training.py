@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
+import ray
 
 from cluster.job import train
 from tests.helpers import assert_states_close, job, load_model
@@ -100,8 +102,6 @@ def test_export_command_writes_a_plain_state_dict_with_identical_outputs(tmp_pat
 
 def _niceness_of_threads(pid: int) -> dict[int, int]:
     """Thread id -> niceness, for every thread of process ``pid`` (field 19 of /proc/<pid>/task/<tid>/stat)."""
-    from pathlib import Path
-
     tasks = Path(f"/proc/{pid}/task").iterdir()
     return {int(task.name): int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
 
@@ -110,8 +110,6 @@ def test_training_workers_run_at_normal_priority(tmp_path):
     """Ray's default worker niceness is 15. A local instance starts its workers at 0 (no root needed);
     a training worker lowers any higher niceness itself where it may (cluster heads started without
     RAY_worker_niceness=0)."""
-    import ray
-
     seen = {}
 
     def look(progress):
