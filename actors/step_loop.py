@@ -41,9 +41,10 @@ class StepResult:
     bytes_sent: int = 0
     """Gradient bytes this rank put on the wire (its payloads), and what float32 would have been."""
     uncompressed_bytes: int = 0
-    comm_s: float = 0.0
-    """Time buckets spent in communication, and the part of it backward did not hide."""
-    exposed_comm_s: float = 0.0
+    comm_s: float | None = None
+    """Time buckets spent in communication, and the part of it backward did not hide (None: not
+    timed, unless strategy.comm_timing is set)."""
+    exposed_comm_s: float | None = None
     skipped: bool = False
     """fp16: the loss scaler found inf/nan gradients and skipped the optimizer step."""
 
@@ -97,14 +98,14 @@ class StepRunner:
         consumed = self._gather_sample_ids(indices, world_size) if self.record_samples else None
         skipped = self._optimizer_step(state.optimizer)
         traffic = state.comm.state.take_traffic() if state.comm else None
-        timing = state.comm.timer.take(backward_returned) if state.comm else None
+        timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
         return StepResult(step=step_index + 1, loss_sum=loss_sum.item(), samples=len(indices),
                           duration_s=time.perf_counter() - started, finished_at=time.time(),
                           sample_ids=consumed, skipped=skipped,
                           bytes_sent=traffic.bytes_sent if traffic else 0,
                           uncompressed_bytes=traffic.uncompressed_bytes if traffic else 0,
-                          comm_s=timing.comm_s if timing else 0.0,
-                          exposed_comm_s=timing.exposed_comm_s if timing else 0.0)
+                          comm_s=timing.comm_s if timing else None,
+                          exposed_comm_s=timing.exposed_comm_s if timing else None)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "fp32":

@@ -166,11 +166,12 @@ class Watcher:
         controller, log = self.controller, self.controller.log
         completed = None
         for result in status.results:
+            timings = {} if result.comm_s is None else {"comm_s": round(result.comm_s, 5),
+                                                        "exposed_comm_s": round(result.exposed_comm_s, 5)}
             row = log.add_step(result.step, result.finished_at, generation=controller.generation, rank=rank,
                                world_size=len(controller.members), loss_sum=result.loss_sum, samples=result.samples,
                                step_s=result.duration_s, bytes_sent=result.bytes_sent,
-                               uncompressed_bytes=result.uncompressed_bytes, comm_s=round(result.comm_s, 5),
-                               exposed_comm_s=round(result.exposed_comm_s, 5),
+                               uncompressed_bytes=result.uncompressed_bytes, **timings,
                                **({"skipped": True} if result.skipped else {}))
             completed = row or completed
             if result.sample_ids is not None:

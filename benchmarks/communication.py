@@ -118,7 +118,7 @@ def job_overrides(option: str, world_size: int, bucket_cap_mb: float, steps: int
             f"training.global_batch_size={GLOBAL_BATCH}", f"training.seed={SEED}", f"optim.lr={LR}",
             f"scaling.min_workers={world_size}", f"scaling.max_workers={world_size}", "scaling.cpus_per_worker=1",
             f"strategy.compression={option}", f"strategy.bucket_cap_mb={bucket_cap_mb}",
-            "checkpoint.every_steps=0", "checkpoint.resume=never", *OPTIONS[option]]
+            "strategy.comm_timing=true", "checkpoint.every_steps=0", "checkpoint.resume=never", *OPTIONS[option]]
 
 
 def steady_start(option: str, steps: int) -> int:

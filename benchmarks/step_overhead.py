@@ -5,8 +5,9 @@ same 2 processes with four step functions, each on its own model, alternating ev
 order flips every round) so that all four see the same machine:
 
 - ``ddp``: plain DDP as a user writes it (the torchrun peer of benchmarks/throughput.py);
-- ``+hook``: our timed, byte-counting uncompressed comm hook (strategies.compression "none");
-- ``steprunner``: our whole step (actors.step_loop.StepRunner): data slicing, loss scaling,
+- ``+hook``: our timed, byte-counting uncompressed comm hook (strategies.compression "none"), which
+  ``strategy.comm_timing`` turns on (the default runs DDP's own all-reduce, like ``ddp``);
+- ``steprunner``: our whole step, default strategy (actors.step_loop.StepRunner): data slicing, loss scaling,
   optimizer step, this rank's loss, the StepResult;
 - ``+vote``: and the stop vote (actors.stop_vote), as TrainWorker's loop runs them.
 

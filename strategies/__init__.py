@@ -16,7 +16,8 @@ def build_strategy(config: StrategyConfig) -> Strategy:
         options = CompressionOptions(powersgd_rank=config.powersgd_rank, powersgd_start_iter=config.powersgd_start_iter,
                                      topk_fraction=config.topk_fraction, onebit_warmup_steps=config.onebit_warmup_steps)
         return DDPStrategy(bucket_cap_mb=config.bucket_cap_mb, compression=config.compression,
-                           compression_options=options, hierarchical=config.hierarchical)
+                           compression_options=options, hierarchical=config.hierarchical,
+                           comm_timing=config.comm_timing)
     if config.name == "zero1":
         return Zero1Strategy(bucket_cap_mb=config.bucket_cap_mb)
     if config.name in ("zero2", "zero3"):

@@ -38,10 +38,10 @@ class GroupContext:
 
 @dataclass
 class CommInstruments:
-    """A DDP communication hook's state (bytes sent) and its timer (overlap)."""
+    """What counts a DDP's bytes sent (a hook's state) and, when timed, its bucket timer (overlap)."""
 
     state: Any
-    timer: Any
+    timer: Any = None
 
 
 @dataclass
@@ -54,7 +54,7 @@ class TrainState:
     """What forward is called on: a DDP wrapper for ddp/zero1, the module itself otherwise."""
     optimizer: torch.optim.Optimizer
     comm: CommInstruments | None = None
-    """Set when a timed communication hook is registered (ddp at world size > 1)."""
+    """Set for a DDP at world size > 1; its timer only with strategy.comm_timing."""
 
     def kept_across_groups(self) -> TrainState:
         """The model and optimizer alone: what a replicated strategy carries into the next group.

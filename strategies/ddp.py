@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from strategies.base import CommInstruments, GroupContext, ModelFactory, OptimizerFactory, TrainState
-from strategies.compression import CompressionOptions, make_comm_hook
+from strategies.compression import CommHook, CompressionOptions, make_comm_hook
+from strategies.compression.accounting import UncompressedTraffic
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
 from strategies.hierarchical import make_hierarchical_hook
 from strategies.overlap import CommTimer
@@ -46,6 +47,8 @@ class DDPStrategy:
     """A kind from strategies.compression ("none": plain all-reduce, still timed and counted)."""
     compression_options: CompressionOptions = field(default_factory=CompressionOptions)
     hierarchical: bool = False
+    comm_timing: bool = False
+    """Time each bucket's communication (a Python hook); off, uncompressed DDP all-reduces in C++."""
     name: str = "ddp"
     replicated: bool = True
 
@@ -61,16 +64,24 @@ class DDPStrategy:
         wrapped = wrap_ddp(model, device, self.bucket_cap_mb)
         comm = None
         if isinstance(wrapped, DistributedDataParallel):
-            if self.hierarchical:
-                assert context is not None, "hierarchical all-reduce needs every rank's node id"
-                hook = make_hierarchical_hook(list(context.node_ids))
+            hook = self._comm_hook(context)
+            if hook is None:  # DDP's own C++ all-reduce: no Python runs on the gradients' path
+                comm = CommInstruments(state=UncompressedTraffic(model), timer=None)
             else:
-                hook = make_comm_hook(self.compression, options=self.compression_options,
-                                      completed_steps=context.completed_steps if context else 0)
-            timer = CommTimer()
-            wrapped.register_comm_hook(hook.state, timer.wrap(hook.hook))
-            comm = CommInstruments(state=hook.state, timer=timer)
+                timer = CommTimer() if self.comm_timing else None
+                wrapped.register_comm_hook(hook.state, timer.wrap(hook.hook) if timer else hook.hook)
+                comm = CommInstruments(state=hook.state, timer=timer)
         return TrainState(model=model, wrapped=wrapped, optimizer=optimizer, comm=comm)
+
+    def _comm_hook(self, context: GroupContext | None) -> CommHook | None:
+        """The hook this DDP needs: None for plain uncompressed all-reduce that nobody times."""
+        if self.hierarchical:
+            assert context is not None, "hierarchical all-reduce needs every rank's node id"
+            return make_hierarchical_hook(list(context.node_ids))
+        if self.compression == "none" and not self.comm_timing:
+            return None
+        return make_comm_hook(self.compression, options=self.compression_options,
+                              completed_steps=context.completed_steps if context else 0)
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return ddp_no_sync(state.wrapped)

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from strategies.compression import COMPRESSION_KINDS, CompressionOptions, make_comm_hook
-from strategies.compression.accounting import CommTraffic, HookState
+from strategies.compression.accounting import CommTraffic, HookState, UncompressedTraffic
 from strategies.compression.int8 import reference_int8_mean
 from strategies.compression.lowp import reference_low_precision_mean
 from strategies.compression.onebit import pack_signs, reference_onebit_mean, unpack_signs
 from strategies.compression.powersgd import reference_powersgd_mean
 from strategies.compression.topk import reference_topk_mean
+from strategies.ddp import DDPStrategy
 from tests.distributed_harness import FakeBucket, run_distributed
 
 SMALL = [[(30, 20)], [(43,)]]  # two buckets (indices 0, 1) per step; 43 is not a multiple of 8
@@ -306,9 +307,17 @@ def _ddp_checks() -> dict:
                     F.mse_loss(ddp(inputs[step, micro]), targets[step, micro]).backward()
             optimizer.step()
             params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-            sent.append(hook.state.take_bytes_sent() if hook else None)
+            sent.append(hook.state.take_bytes_sent() if hook else UncompressedTraffic(model).take_traffic().bytes_sent)
         results[kind] = {"params": params, "sent": sent, "log": log, "steps": hook.state.steps if hook else None}
+    results["strategy hooks"] = {timed: _strategy_hooks(DDPStrategy(comm_timing=timed)) for timed in (False, True)}
     return results
+
+
+def _strategy_hooks(strategy: DDPStrategy) -> dict:
+    """What DDPStrategy registers on its DDP: the Python hooks, and what counts bytes and times buckets."""
+    state = strategy.setup(_model, lambda parameters: torch.optim.SGD(parameters, lr=0.1), torch.device("cpu"), None)
+    return {"python_hooks": len(state.wrapped._comm_hooks), "traffic": type(state.comm.state).__name__,
+            "timed": state.comm.timer is not None}
 
 
 @pytest.fixture(scope="module")
@@ -320,6 +329,13 @@ def test_uncompressed_hook_equals_no_hook(ddp_runs):
     for rank_results in ddp_runs:
         for with_hook, without in zip(rank_results["none"]["params"], rank_results["no hook"]["params"], strict=True):
             assert torch.equal(with_hook, without)
+
+
+def test_untimed_uncompressed_ddp_runs_no_python_hook_and_counts_what_the_hook_counts(ddp_runs):
+    untimed, timed = ddp_runs[0]["strategy hooks"][False], ddp_runs[0]["strategy hooks"][True]
+    assert untimed == {"python_hooks": 0, "traffic": "UncompressedTraffic", "timed": False}
+    assert timed["python_hooks"] == 1 and timed["timed"]
+    assert ddp_runs[0]["no hook"]["sent"] == ddp_runs[0]["none"]["sent"]  # every gradient once per step
 
 
 def test_every_kind_trains_through_ddp_with_accumulation(ddp_runs):

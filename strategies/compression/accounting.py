@@ -92,6 +92,17 @@ class HookState:
         self.steps = 0
 
 
+class UncompressedTraffic:
+    """The traffic of DDP's own all-reduce, which no hook counts: every gradient, once per step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.step_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+    def take_traffic(self) -> CommTraffic:
+        """One step's traffic (the step loop takes it once per step, like a hook state's)."""
+        return CommTraffic(self.step_bytes, self.step_bytes)
+
+
 class ErrorFeedback:
     """Per-parameter residuals ("error memory") of a lossy compressor.
 
