@@ -44,7 +44,7 @@ def ddp_no_sync(wrapped: torch.nn.Module) -> AbstractContextManager:
 class DDPStrategy:
     bucket_cap_mb: float = 25.0
     compression: str = "none"
-    """A kind from strategies.compression ("none": plain all-reduce, still timed and counted)."""
+    """A kind from strategies.compression ("none": DDP's own all-reduce, counted; a hook only with comm_timing)."""
     compression_options: CompressionOptions = field(default_factory=CompressionOptions)
     hierarchical: bool = False
     comm_timing: bool = False
@@ -66,7 +66,7 @@ class DDPStrategy:
         if isinstance(wrapped, DistributedDataParallel):
             hook = self._comm_hook(context)
             if hook is None:  # DDP's own C++ all-reduce: no Python runs on the gradients' path
-                comm = CommInstruments(state=UncompressedTraffic(model), timer=None)
+                comm = CommInstruments(state=UncompressedTraffic(model))
             else:
                 timer = CommTimer() if self.comm_timing else None
                 wrapped.register_comm_hook(hook.state, timer.wrap(hook.hook) if timer else hook.hook)
