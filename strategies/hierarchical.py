@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from strategies.compression import CommHook
-from strategies.compression.accounting import HookState
+from strategies.compression.accounting import HookState, resolves_to
 
 
 def ranks_by_node(node_ids: list[str]) -> list[list[int]]:
@@ -119,7 +119,7 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     if state.node_group is not None:
         work.wait()
         work = dist.broadcast(buffer, src=state.leader, group=state.node_group, async_op=True)
-    return work.get_future().then(lambda _: buffer)
+    return resolves_to(work.get_future(), buffer)
 
 
 def reference_hierarchical_mean(per_rank_grads: list[torch.Tensor], node_ids: list[str]) -> torch.Tensor:

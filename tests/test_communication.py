@@ -147,6 +147,7 @@ def test_resize_during_compressed_run_keeps_training_and_compressing(tmp_path, k
     assert result.final_step == RESIZE_STEPS
     formed = [e for e in result.events if e["type"] == "generation_formed"]
     assert [e["world_size"] for e in formed] == [3, 2, 3], result.events
+    assert formed[1]["step"] == RESIZE_KILL_STEP - 1  # the step in flight failed: nothing trained without rank 1
     types = [e["type"] for e in result.events]
     assert types.count("worker_failed") == 1 and "worker_joined" in types
     sizes = {row["world_size"] for row in result.history}

@@ -1,8 +1,13 @@
-"""A survivor leaves a broken group while a collective of the failed step is still in flight (its
-stop vote, a DDP bucket): moving its state on to the next group must not hang (real gloo, 2 processes).
+"""What survivors see when a peer is lost mid-step (real gloo, 2-3 processes).
 
-This is what TrainWorker.join does after a peer is lost; the stalled-worker test in test_elastic.py
-hung in CI when the old DDP wrapper still held the group as it was destroyed.
+- The step fails: every communication hook's future fails with the lost collective, so DDP raises
+  and the step is discarded. (The all-gathering hooks and the hierarchical hook once swallowed the
+  error and handed DDP whatever their output buffer held: survivors of a 1-bit run stepped on
+  garbage for 5 steps before something else failed.)
+- A survivor leaves the broken group while a collective of the failed step is still in flight (its
+  stop vote, a DDP bucket): moving its state on to the next group must not hang. This is what
+  TrainWorker.join does; the stalled-worker test in test_elastic.py hung in CI when the old DDP
+  wrapper still held the group as it was destroyed.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ import torch
 import torch.distributed as dist
 
 from actors.stop_vote import StopVote
+from strategies.compression import CompressionOptions, make_comm_hook
 from strategies.ddp import DDPStrategy
+from strategies.hierarchical import make_hierarchical_hook
 from strategies.process_group import leave_group
-from tests.distributed_harness import run_distributed
+from tests.distributed_harness import FakeBucket, run_distributed
 
 LOST_PEER_LEAVES_AFTER_S = 1.0
 
@@ -45,3 +52,33 @@ def _leave_with_a_vote_in_flight() -> float:
 def test_leaving_a_group_with_a_collective_in_flight_does_not_hang():
     left_after_s, _ = run_distributed(_leave_with_a_vote_in_flight, 2, timeout_s=30)
     assert left_after_s < 20  # the vote fails once the peer is gone; leaving waits for that, not longer
+
+
+LOST_RANK = 2
+GATHERING_KINDS = ("topk", "onebit", "int8")
+"""The hooks that all-gather payloads (1-bit without warm-up, so it compresses at once)."""
+
+
+def _hooks_with_a_lost_peer() -> dict[str, str]:
+    """Rank 2 helps build the hierarchical hook's groups (nodes [0, 1] and [2]), then is lost. The
+    survivors run one bucket through each hook; returns, per hook, what waiting for its future did."""
+    hierarchical = make_hierarchical_hook(["a", "a", "b"])
+    if dist.get_rank() == LOST_RANK:
+        return {}
+    hooks = {kind: make_comm_hook(kind, options=CompressionOptions(onebit_warmup_steps=0))
+             for kind in GATHERING_KINDS}
+    outcomes = {}
+    for kind, (state, hook) in {**hooks, "hierarchical": hierarchical}.items():
+        bucket = FakeBucket(0, [torch.zeros(43)], torch.randn(43))
+        try:
+            hook(state, bucket).wait()
+            outcomes[kind] = "returned a gradient"
+        except RuntimeError:
+            outcomes[kind] = "raised"
+    return outcomes
+
+
+def test_every_hook_fails_the_step_when_a_peer_is_lost():
+    outcomes = run_distributed(_hooks_with_a_lost_peer, 3, timeout_s=60)
+    expected = dict.fromkeys((*GATHERING_KINDS, "hierarchical"), "raised")
+    assert outcomes[:LOST_RANK] == [expected, expected]

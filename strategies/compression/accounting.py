@@ -160,4 +160,19 @@ def all_gather_bytes(payload: torch.Tensor,
     world_size = dist.get_world_size(process_group)
     gathered = torch.empty(world_size, payload.numel(), dtype=torch.uint8, device=payload.device)
     work = dist.all_gather(list(gathered.unbind(0)), payload, group=process_group, async_op=True)
-    return work.get_future().then(lambda _: gathered)
+    return resolves_to(work.get_future(), gathered)
+
+
+def resolves_to(future: torch.futures.Future, value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future of ``value`` once ``future`` is done, failing if it failed.
+
+    ``future.then(lambda _: value)`` would swallow a collective's error (a peer lost mid-step) and
+    hand DDP whatever the output buffer held: the survivors would step on garbage instead of
+    discarding the step.
+    """
+
+    def done(finished: torch.futures.Future) -> torch.Tensor:
+        finished.value()  # re-raises the collective's error
+        return value
+
+    return future.then(done)
