@@ -123,9 +123,13 @@ class Controller:
                     self._change_membership()
         finally:
             self.membership.shutdown()
+            self.log.close()
 
-    def progress(self, history_since: int = 0, events_since: int = 0) -> dict[str, Any]:
-        """New history rows and events since the given positions, and the current membership."""
+    def progress(self, history_since: int = 0, events_since: int = 0, wait_s: float = 0.0) -> dict[str, Any]:
+        """New history rows and events since the given positions, and the current membership; waits
+        up to ``wait_s`` for an event past ``events_since`` (or the run's end) before answering."""
+        if wait_s > 0:
+            self.log.wait_for_news(events_since, wait_s)
         return {"history": self.log.history(history_since), "events": self.log.events(events_since),
                 "generation": self.generation, "world_size": self.membership.size, "step": self.step,
                 "members": [m.name for m in self.members], "failures": self.failures}

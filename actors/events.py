@@ -40,7 +40,8 @@ class _StepReports:
 class RunLog:
     def __init__(self) -> None:
         self.started = time.time()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())
+        self._closed = False
         self._events: list[dict[str, Any]] = []
         self._steps: dict[int, _StepReports] = {}
         self._history_order: list[int] = []
@@ -50,7 +51,21 @@ class RunLog:
         record = {"type": type_, "step": step, "time_s": round(time.time() - self.started, 4), **fields}
         with self._lock:
             self._events.append(record)
+            self._lock.notify_all()
         return record
+
+    def wait_for_news(self, events_since: int, timeout_s: float) -> None:
+        """Block until an event past position ``events_since`` is logged, the log is closed, or
+        ``timeout_s`` has passed: a reader's long poll, so that it hears of events at once without
+        asking again and again."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._closed or len(self._events) > events_since, timeout=timeout_s)
+
+    def close(self) -> None:
+        """The run is over: wake every reader waiting for news."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
 
     def add_step(self, step: int, finished_at: float, *, generation: int, rank: int, world_size: int,
                  loss_sum: float, samples: int, step_s: float, bytes_sent: int, uncompressed_bytes: int,

@@ -44,6 +44,10 @@ class Membership:
     def size(self) -> int:
         return len(self.members)
 
+    def changes_pending(self) -> bool:
+        """Slots asked for and not placed yet, workers starting up, or drains: something to check soon."""
+        return bool(self.joining or self.draining or self.slots.waiting)
+
     def spawn(self, slots: list) -> list[Member]:
         started = []
         for slot in slots:

@@ -51,6 +51,11 @@ class WorkerSlots:
         self._pending = [pg for pg in self._pending if pg not in taken]
         return taken
 
+    @property
+    def waiting(self) -> bool:
+        """Whether slots were asked for that Ray has not placed yet."""
+        return bool(self._pending)
+
     def count_ready(self) -> int:
         return len(self._ready())
 
@@ -92,6 +97,10 @@ class ReservedSlots:
         taken, self._free = self._free[:count], self._free[count:]
         self._wanted -= count
         return taken
+
+    @property
+    def waiting(self) -> bool:
+        return self._wanted > 0
 
     def count_ready(self) -> int:
         return min(self._wanted, len(self._free))

@@ -20,9 +20,13 @@ from ray.exceptions import GetTimeoutError, RayActorError
 if TYPE_CHECKING:
     from actors.controller import Controller, Member
 
-LONG_POLL_S = 0.25
-"""Longest a worker's poll waits for news: how fresh step results are when nothing else happens."""
+LONG_POLL_S = 1.0
+"""Longest a worker's poll waits for news: how fresh step results are when nothing else happens.
+Each poll costs the Controller, the worker and Ray's services CPU that a small model's steps,
+on a machine with no core to spare, would otherwise have had."""
 SCALING_INTERVAL_S = 0.1
+"""How often the watcher looks again while something is under way (slots or joiners awaited, a
+drain, an error's grace period); otherwise the polls' answers set its pace."""
 DONE_PHASES = frozenset({"finished", "stopped", "failed"})
 """A worker reports its last step results with these phases: it is no longer polled in this generation."""
 ERROR_GRACE_S = 2.0
@@ -99,7 +103,8 @@ class Watcher:
         next_scaling_check = time.monotonic() + SCALING_INTERVAL_S
         boundary_requested = False
         while True:
-            ready = self._wait_for_answers(polls)
+            busy = first_error_at is not None or self.controller.membership.changes_pending()
+            ready = self._wait_for_answers(polls, SCALING_INTERVAL_S if busy else wait_s)
             for rank, member in enumerate(members):
                 if member.name in polls and polls[member.name] in ready:
                     self._answer(member, rank, polls.pop(member.name))
@@ -127,12 +132,12 @@ class Watcher:
                 return Interrupted() if self.controller.stopping else StoppedAtBoundary()
 
     @staticmethod
-    def _wait_for_answers(polls: dict[str, ray.ObjectRef]) -> list[ray.ObjectRef]:
-        """The polls answered within SCALING_INTERVAL_S (all that are, once one is)."""
+    def _wait_for_answers(polls: dict[str, ray.ObjectRef], timeout_s: float) -> list[ray.ObjectRef]:
+        """The polls answered within ``timeout_s`` (all that are, once one is)."""
         if not polls:
-            time.sleep(SCALING_INTERVAL_S)
+            time.sleep(timeout_s)
             return []
-        ready, _ = ray.wait(list(polls.values()), num_returns=1, timeout=SCALING_INTERVAL_S)
+        ready, _ = ray.wait(list(polls.values()), num_returns=1, timeout=timeout_s)
         if ready:
             ready, _ = ray.wait(list(polls.values()), num_returns=len(polls), timeout=0)
         return ready

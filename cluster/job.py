@@ -30,7 +30,8 @@ from cluster.tensorboard import TensorBoardLog
 from workloads import resolve_workload_class
 
 ProgressCallback = Callable[[dict[str, Any]], None]
-PROGRESS_INTERVAL_S = 0.25
+PROGRESS_WAIT_S = 1.0
+"""Longest the driver's progress poll waits: events arrive at once, step rows at least this often."""
 
 
 def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | None = None,
@@ -91,8 +92,10 @@ def _follow(controller: Any, on_progress: ProgressCallback) -> RunResult:
     cursor = {"history_since": 0, "events_since": 0}
     try:
         while True:
-            finished, _ = ray.wait([done], timeout=PROGRESS_INTERVAL_S)
-            progress = ray.get(controller.progress.remote(**cursor))
+            finished, _ = ray.wait([done], timeout=0)
+            # A long poll: it answers at once on an event or the run's end, else after PROGRESS_WAIT_S.
+            wait_s = 0.0 if finished else PROGRESS_WAIT_S
+            progress = ray.get(controller.progress.remote(**cursor, wait_s=wait_s))
             cursor["history_since"] += len(progress["history"])
             cursor["events_since"] += len(progress["events"])
             on_progress(progress)

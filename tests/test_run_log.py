@@ -1,6 +1,10 @@
-"""The run log's step rows: every rank's part of the batch summed, shown only once complete."""
+"""The run log's step rows: every rank's part of the batch summed, shown only once complete; and the
+long poll readers wait on: an event or the run's end wakes them at once."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -54,3 +58,22 @@ def test_a_step_redone_in_a_later_generation_replaces_the_discarded_attempt():
     row = _report(log, 1, rank=0, generation=1, world_size=1, loss_sum=8.0, samples=8)
     assert row["loss"] == 1.0 and row["world_size"] == 1
     assert [r["loss"] for r in log.history()] == [1.0]
+
+
+def _waited_s(log: RunLog, events_since: int, timeout_s: float, then=None) -> float:
+    """How long ``wait_for_news`` blocked while ``then`` ran 0.1 s into the wait (in another thread)."""
+    if then is not None:
+        threading.Timer(0.1, then).start()
+    started = time.monotonic()
+    log.wait_for_news(events_since, timeout_s)
+    return time.monotonic() - started
+
+
+def test_a_reader_waits_for_news_until_an_event_the_end_or_its_timeout():
+    log = RunLog()
+    log.event("generation_formed", 0)
+    assert _waited_s(log, events_since=0, timeout_s=5) < 0.05  # an event it has not seen: at once
+    assert 0.25 <= _waited_s(log, events_since=1, timeout_s=0.25) < 2  # nothing new: its timeout
+    assert 0.1 <= _waited_s(log, 1, timeout_s=5, then=lambda: log.event("worker_failed", 3)) < 2
+    assert 0.1 <= _waited_s(log, 2, timeout_s=5, then=log.close) < 2
+    assert _waited_s(log, events_since=2, timeout_s=5) < 0.05  # closed: nobody waits any more

@@ -121,6 +121,6 @@ def test_training_workers_run_at_normal_priority(tmp_path):
             seen["controller"] = _niceness_of_threads(controller_pid)[controller_pid]
 
     train(job("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.1}",
-              "training.steps=12", name="nice"), run_dir=tmp_path / "nice", on_progress=look)
+              "training.steps=40", name="nice"), run_dir=tmp_path / "nice", on_progress=look)  # 4 s: polled while live
     assert [set(threads.values()) for threads in seen["workers"]] == [{0}, {0}]  # the step loop, gloo's, Ray's
     assert seen["controller"] == 0  # it never sets its own: the local instance's worker_niceness
