@@ -13,7 +13,7 @@ from cluster.job import train
 from tests.conftest import REPO_ROOT
 from tests.helpers import assert_states_close, job, load_model
 
-STEPS = 40
+STEPS = 60  # ~4 s: progress (every second) sees step 15 at world size 4 well before the end
 BASE = (f"training.steps={STEPS}", "scaling.min_workers=2", "scaling.max_workers=4", "scaling.cpus_per_worker=1",
         "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.05}",
         "scaling.placement_timeout_s=60")

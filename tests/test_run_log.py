@@ -62,9 +62,9 @@ def test_a_step_redone_in_a_later_generation_replaces_the_discarded_attempt():
 
 def _waited_s(log: RunLog, events_since: int, timeout_s: float, then=None) -> float:
     """How long ``wait_for_news`` blocked while ``then`` ran 0.1 s into the wait (in another thread)."""
+    started = time.monotonic()
     if then is not None:
         threading.Timer(0.1, then).start()
-    started = time.monotonic()
     log.wait_for_news(events_since, timeout_s)
     return time.monotonic() - started
 
