@@ -15,7 +15,7 @@ Lifecycle (each call from the Controller, on every member together)::
 
 ``poll`` is a long poll: it answers at once when something happened since version ``seen`` (a
 phase change, an event, an error) and otherwise after ``wait_s``, with the step results of the
-meantime. So the Controller hears of news at once and costs a training worker a few calls a second.
+meantime. So the Controller hears of news at once and costs a training worker one call a second.
 """
 
 from __future__ import annotations
