@@ -35,6 +35,8 @@ from strategies.process_group import GroupAssignment, host_store
 
 START_GRACE_S = 1.0
 """After min_workers are placed, how long the start waits for the rest of max_workers."""
+COLLECTIVE_GRACE_S = 5.0
+"""Beyond failure.collective_timeout_s: how long members may take to give up on a dead peer."""
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,7 @@ class Controller:
         """At a step boundary: drained workers leave, ready joiners come in. Sharded state is saved
         by the old group first and loaded, resharded, by the new one: nothing is discarded."""
         if not self.replicated:
-            path = ray.get([m.actor.save_checkpoint.remote() for m in self.members])[0]
+            path = self._on_every_member([m.actor.save_checkpoint.remote() for m in self.members])[0]
             self.log.event("checkpointed", self.step, path=path, reason="membership change")
             self.restore_from = Checkpoint(path, read_manifest(path))
         for member in self.membership.remove_drained():
@@ -262,7 +264,7 @@ class Controller:
         started = time.time()
         self.generation += 1
         members, world_size = list(self.members), self.membership.size
-        reports = ray.get([m.actor.join.remote(GroupAssignment(
+        reports = self._on_every_member([m.actor.join.remote(GroupAssignment(
             generation=self.generation, rank=rank, world_size=world_size, store_host=self.node_ip,
             store_port=self.store.port, timeout_s=self.job.failure.collective_timeout_s, run_step=self.step))
             for rank, m in enumerate(members)])
@@ -277,7 +279,7 @@ class Controller:
         else:
             source = max(range(world_size), key=lambda r: reports[r].step)
             self.step = reports[source].step
-            ray.get([m.actor.sync_state.remote(source) for m in members])
+            self._on_every_member([m.actor.sync_state.remote(source) for m in members])
         self.log.event("generation_formed", self.step, generation=self.generation, world_size=world_size,
                        state_source=source, steps_lost=max(0, before - self.step),
                        duration_s=round(time.time() - started, 4))
@@ -286,8 +288,18 @@ class Controller:
         """Every member loads ``restore_from`` resharded to the new group (no checkpoint: step 0, afresh)."""
         found, self.restore_from = self.restore_from, None
         path, step = (found.path, found.manifest.step) if found else (None, 0)
-        ray.get([m.actor.restore.remote(path, step) for m in members])
+        self._on_every_member([m.actor.restore.remote(path, step) for m in members])
         return step
+
+    def _on_every_member(self, calls: list[ray.ObjectRef]) -> list[Any]:
+        """``ray.get`` of a collective call made on every member. When one fails (a member died), the
+        others' calls may still wait for it inside the collective, until failure.collective_timeout_s:
+        they must have ended before the next generation's calls run beside them in the same processes."""
+        try:
+            return ray.get(calls)
+        except ray.exceptions.RayError:
+            ray.wait(calls, num_returns=len(calls), timeout=self.job.failure.collective_timeout_s + COLLECTIVE_GRACE_S)
+            raise
 
     def faults_for(self, rank: int) -> tuple[FaultConfig, ...]:
         return tuple(f for f in self.pending_faults if f.rank == rank)
@@ -304,10 +316,10 @@ class Controller:
     def _finish(self) -> RunResult:
         """Evaluate, gather the full model and write the final checkpoint (collective on every member)."""
         actors = [m.actor for m in self.members]
-        metrics = ray.get([a.evaluate.remote() for a in actors])[0]
-        model_state = ray.get([a.full_state_dict.remote() for a in actors])[0]
+        metrics = self._on_every_member([a.evaluate.remote() for a in actors])[0]
+        model_state = self._on_every_member([a.full_state_dict.remote() for a in actors])[0]
         memory = ray.get([a.memory.remote() for a in actors])
-        path = ray.get([a.save_checkpoint.remote() for a in actors])[0]
+        path = self._on_every_member([a.save_checkpoint.remote() for a in actors])[0]
         if not any(e["type"] == "checkpointed" and e["step"] == self.step for e in self.log.events()):
             self.log.event("checkpointed", self.step, path=path, reason="end of run")  # else the loop's save, reported
         history = self.log.history()

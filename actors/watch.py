@@ -87,7 +87,7 @@ class Watcher:
         wait_s = min(LONG_POLL_S, stall_timeout / 4)  # every live worker answers well within the stall timeout
         polls = {m.name: self._poll(m, wait_s) for m in members}
         try:
-            return self._until_outcome(members, polls, wait_s, stall_timeout)
+            outcome = self._until_outcome(members, polls, wait_s, stall_timeout)
         finally:  # polls still in flight carry step results: take them in before the next generation
             live = {name: ref for name, ref in polls.items() if not self.views[name].dead}
             if live:
@@ -96,6 +96,11 @@ class Watcher:
                 if member.name in live:
                     self._answer(member, rank, live[member.name])
             self.controller.log.close_generation(self.controller.generation)
+        if isinstance(outcome, WorkersFailed):  # a lost node takes several workers: every death heard by now
+            named = {member.name for member, _ in outcome.failed}
+            outcome = WorkersFailed(outcome.failed + [(m, v.dead) for m in members
+                                                      if (v := self.views[m.name]).dead and m.name not in named])
+        return outcome
 
     def _until_outcome(self, members: list[Member], polls: dict[str, ray.ObjectRef], wait_s: float,
                        stall_timeout: float) -> WatchOutcome:
