@@ -2,18 +2,21 @@
 
 from cluster.config import (
     CheckpointConfig,
+    DataConfig,
+    EvalConfig,
     FailureConfig,
     JobConfig,
     OptimConfig,
     ScalingConfig,
     StrategyConfig,
+    TrackingConfig,
     TrainingConfig,
     WorkloadConfig,
 )
 from cluster.loading import load_job_config
 
-__all__ = ["CheckpointConfig", "FailureConfig", "JobConfig", "OptimConfig", "ScalingConfig", "StrategyConfig",
-           "TrainingConfig", "WorkloadConfig", "load_job_config", "train"]
+__all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "FailureConfig", "JobConfig", "OptimConfig", "ScalingConfig",
+           "StrategyConfig", "TrackingConfig", "TrainingConfig", "WorkloadConfig", "load_job_config", "train"]
 
 
 def __getattr__(name: str):

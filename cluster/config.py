@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("constant", "linear", "cosine")
 FAULT_ACTIONS = ("kill", "ray_kill", "stall", "raise", "remove_node")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk", "onebit", "int8")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -95,13 +96,24 @@ class TrainingConfig:
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     name: Literal["adamw", "sgd"] = "adamw"
-    """Optimizer: "adamw" (torch.optim.AdamW) or "sgd" (with momentum)."""
+    """Optimizer when the workload has no ``configure_optimizer``: "adamw" (torch.optim.AdamW) or "sgd"
+    (with momentum)."""
     lr: float = 1e-3
-    """Learning rate."""
+    """Peak learning rate. It sets every param group's lr, also of a workload's own optimizer (a group's
+    ``lr_scale``, default 1, multiplies it)."""
     weight_decay: float = 0.0
     """Decoupled weight decay (adamw) or L2 penalty (sgd)."""
     momentum: float = 0.9
     """Momentum for sgd; ignored by adamw."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """How lr decays after the warm-up, to ``min_lr`` at the last step: constant, linear or cosine."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from lr/warmup_steps to lr."""
+    min_lr: float = 0.0
+    """The learning rate linear and cosine decay reach at training.steps."""
+    clip_grad_norm: float = 0.0
+    """Clip the global gradient norm (over all parameters, all ranks) to this; 0: no clipping. The norm
+    before clipping is the history's grad_norm either way."""
 
     def __post_init__(self) -> None:
         _require(self.name in OPTIMIZERS, "optim.name", f"one of {', '.join(OPTIMIZERS)}", self.name)
@@ -110,6 +122,56 @@ class OptimConfig:
                  "a non-negative number", self.weight_decay)
         _require(_number(self.momentum) and 0 <= self.momentum < 1, "optim.momentum", "a number in [0, 1)",
                  self.momentum)
+        _require(self.schedule in SCHEDULES, "optim.schedule", f"one of {', '.join(SCHEDULES)}", self.schedule)
+        _require(_non_negative_int(self.warmup_steps), "optim.warmup_steps", "a non-negative integer",
+                 self.warmup_steps)
+        _require(_number(self.min_lr) and 0 <= self.min_lr <= self.lr, "optim.min_lr",
+                 f"a number in [0, optim.lr={self.lr}]", self.min_lr)
+        _require(_number(self.clip_grad_norm) and self.clip_grad_norm >= 0, "optim.clip_grad_norm",
+                 "a non-negative number (0: no clipping)", self.clip_grad_norm)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    num_workers: int = 0
+    """DataLoader worker processes per training worker that fetch and collate the coming steps' batches
+    (0: on the training thread, the fastest for data already in memory)."""
+    prefetch_factor: int = 2
+    """Batches each DataLoader worker process prepares ahead (with num_workers > 0)."""
+
+    def __post_init__(self) -> None:
+        _require(_non_negative_int(self.num_workers), "data.num_workers", "a non-negative integer", self.num_workers)
+        _require(_positive_int(self.prefetch_factor), "data.prefetch_factor", "a positive integer",
+                 self.prefetch_factor)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    every_steps: int = 0
+    """Evaluate every this many steps during training (0: only at the end); the metrics become the
+    history's eval rows."""
+    batch_size: int = 64
+    """Samples per forward pass of the distributed evaluation over ``eval_dataset`` (per rank)."""
+
+    def __post_init__(self) -> None:
+        _require(_non_negative_int(self.every_steps), "eval.every_steps", "a non-negative integer",
+                 self.every_steps)
+        _require(_positive_int(self.batch_size), "eval.batch_size", "a positive integer", self.batch_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    mlflow_uri: str | None = None
+    """MLflow tracking URI (a local directory such as ``mlruns``, ``file:///...`` or ``http://host:5000``);
+    None: no MLflow logging. Needs ``pip install 'raylastic[mlflow]'``."""
+    mlflow_experiment: str = "raylastic"
+    """The MLflow experiment the run is logged under (created if missing)."""
+
+    def __post_init__(self) -> None:
+        _require(self.mlflow_uri is None or (isinstance(self.mlflow_uri, str) and bool(self.mlflow_uri)),
+                 "tracking.mlflow_uri", "a tracking URI or null", self.mlflow_uri)
+        _require(isinstance(self.mlflow_experiment, str) and bool(self.mlflow_experiment),
+                 "tracking.mlflow_experiment", "a non-empty string", self.mlflow_experiment)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,6 +334,9 @@ class JobConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
@@ -302,4 +367,6 @@ class JobConfig:
         optim = {k: float(v) if _number(v) else v for k, v in asdict(self.optim).items()}  # 1 == 1.0
         relevant = {"workload": asdict(self.workload), "optim": optim,
                     "global_batch_size": self.training.global_batch_size, "seed": self.training.seed}
+        if self.optim.schedule != "constant":  # a decaying schedule's length is part of its math
+            relevant["steps"] = self.training.steps
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from workloads.protocol import Workload
+from workloads.protocol import REQUIRED_METHODS, Workload
 
 BUILTIN_WORKLOADS = {
     "digits": "workloads.digits:Digits",
@@ -30,9 +30,12 @@ def resolve_workload_class(name: str) -> type:
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
         raise ValueError(f"workload.name={name!r}: module {module_name!r} has no class {class_name!r}")
-    missing = [m for m in ("build_model", "train_dataset", "loss_sum", "evaluate") if not hasattr(cls, m)]
+    missing = [m for m in REQUIRED_METHODS if not hasattr(cls, m)]
     if missing:
         raise ValueError(f"workload.name={name!r}: {class_name} lacks {', '.join(missing)} "
+                         "(see workloads/protocol.py)")
+    if hasattr(cls, "eval_dataset") != hasattr(cls, "eval_step"):
+        raise ValueError(f"workload.name={name!r}: {class_name} must define eval_dataset and eval_step together "
                          "(see workloads/protocol.py)")
     return cls
 

@@ -1,47 +1,66 @@
-"""What a workload is: a model, its training data, a summed loss and held-out metrics.
+"""What a workload is: a model, its data, a training step, and (optionally) how to evaluate it.
 
 A workload is a class referenced by import path, ``"pkg.module:ClassName"`` (or a built-in
 short name such as ``"digits"``); Raylastic constructs it as ``ClassName(**options)`` with
-``workload.options`` from the job config, once in every worker process.
+``workload.options`` from the job config, once in every worker process. It owns the loop (that is
+what lets it discard a failed step, hand state over and keep the data order); the workload says
+what one batch costs.
 
-Example (a user's own workload, run with ``--set workload.name=mypkg.model:Tiny``)::
+Example (a Hugging Face model with dict batches, run with ``--set workload.name=mypkg.lm:TinyLM``)::
 
-    class Tiny:
-        def __init__(self, hidden: int = 32):
-            self.hidden = hidden
+    class TinyLM:
+        def build_model(self):
+            return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2))
 
-        def build_model(self) -> torch.nn.Module:
-            return torch.nn.Sequential(torch.nn.Linear(4, self.hidden), torch.nn.Linear(self.hidden, 2))
+        def train_dataset(self):                 # any map-style dataset; here memory-mapped Arrow
+            return datasets.load_from_disk("data/train").with_format("torch")
 
-        def train_dataset(self) -> torch.utils.data.Dataset:
-            g = torch.Generator().manual_seed(0)
-            x = torch.randn(256, 4, generator=g)
-            return torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
+        def training_step(self, model, batch):   # batch: what collate made, on the worker's device
+            return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
 
-        def loss_sum(self, outputs, targets) -> torch.Tensor:
-            return torch.nn.functional.cross_entropy(outputs, targets, reduction="sum")
+        def configure_optimizer(self, model):    # optional: param groups (lr comes from optim.lr)
+            decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+            no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+            return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                      {"params": no_decay, "weight_decay": 0.0}])
 
-        def evaluate(self, model) -> dict[str, float]:
-            return {}
+Required:
+- ``build_model()``: deterministic given the process's torch seed (the worker seeds it).
+- ``train_dataset()``: a map-style dataset (``__len__`` and ``__getitem__``; ``__getitems__`` is used
+  when it has one, as Hugging Face ``datasets`` do). Step k's samples come from a seeded order that
+  does not depend on the world size.
+- ``training_step(model, batch) -> Tensor``: the **mean** loss over the batch's samples (what
+  ``F.cross_entropy`` and Hugging Face models return). Raylastic weights it by the batch's sample
+  count, so a step's gradient is the mean over the global batch at any world size and micro-batch
+  size. ``batch`` is what ``collate`` made (a tensor, tuple, dict, nested), its tensors on the device.
 
-Rules the training loop relies on:
-- ``build_model`` is deterministic given the process's torch seed (the worker seeds it), and
-  the model has no randomness in ``forward`` (no dropout), so the result does not depend on
-  how the global batch is split across workers.
-- ``train_dataset`` returns a map-style dataset whose items are ``(input, target)``; a
-  ``TensorDataset`` is indexed in one gather per micro-batch, anything else goes through
-  ``default_collate``.
-- ``loss_sum`` returns the loss *summed* over the samples of the batch (a per-sample mean
-  over tokens is fine); the loop divides by the global batch size.
-- ``evaluate`` returns held-out metrics; a classifier returns ``"accuracy"``.
+Optional:
+- ``collate(samples: list) -> batch``; default: torch's ``default_collate`` (a ``TensorDataset``
+  is gathered in one indexing per batch instead).
+- ``configure_optimizer(model) -> torch.optim.Optimizer``: any torch optimizer, param groups allowed.
+  ``optim.lr`` and ``optim.schedule`` set every group's lr each step (times a group's ``lr_scale``,
+  default 1). zero1/zero2/zero3 shard optimizer state by rows, so they take only element-wise
+  optimizers (Adam, AdamW, SGD, ...); anything else is refused with an error naming them.
+- ``evaluate(model) -> dict[str, float]``: held-out metrics, run on every rank (under zero3 its
+  forward passes are collective); a classifier returns ``"accuracy"``.
+- ``eval_dataset()`` with ``eval_step(model, batch) -> dict[str, Tensor | float]``: evaluation spread
+  over all ranks. ``eval_step`` returns *sums* over the batch's samples; Raylastic adds them up over
+  batches and ranks and reports each divided by the number of samples evaluated.
+
+Randomness in forward (dropout) is allowed: before each micro-batch every rank seeds torch's RNG
+from the run seed, the step and the micro-batch's position in the global batch, so a run is
+reproducible and a redone step draws the same masks. Without randomness in forward the result does
+not depend on the world size or the micro-batch size; with it, masks follow the batch's split.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import Dataset
+
+REQUIRED_METHODS = ("build_model", "train_dataset", "training_step")
 
 
 @runtime_checkable
@@ -50,6 +69,4 @@ class Workload(Protocol):
 
     def train_dataset(self) -> Dataset: ...
 
-    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
-
-    def evaluate(self, model: torch.nn.Module) -> dict[str, float]: ...
+    def training_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
