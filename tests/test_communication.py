@@ -79,10 +79,10 @@ class SlowWhileShrunk(SlowDigits):
         super().__init__(pause_s)
         self.full = full
 
-    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def training_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if dist.is_initialized() and dist.get_world_size() < self.full:
             time.sleep(self.pause_s)
-        return self.digits.loss_sum(outputs, targets)
+        return self.digits.training_step(model, batch)
 
 
 def ratios(history: list[dict]) -> dict[int, float]:

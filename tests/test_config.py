@@ -213,7 +213,7 @@ def test_math_hash_same_for_int_and_float_spelling():
     pytest.param("workloads.digits:Nope", ["workload.name='workloads.digits:Nope'", "has no class 'Nope'"],
                  id="missing-class"),
     pytest.param("workloads:BUILTIN_WORKLOADS", ["has no class 'BUILTIN_WORKLOADS'"], id="not-a-class"),
-    pytest.param("collections:OrderedDict", ["OrderedDict lacks build_model, train_dataset, loss_sum, evaluate",
+    pytest.param("collections:OrderedDict", ["OrderedDict lacks build_model, train_dataset, training_step",
                                              "workloads/protocol.py"], id="missing-methods"),
     pytest.param("nope", ["workload.name='nope' is not", *BUILTIN_WORKLOADS, "'pkg.module:ClassName'"],
                  id="not-a-path"),

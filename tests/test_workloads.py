@@ -23,7 +23,7 @@ def _adam_steps(workload, model, steps: int, *, batch_size: int, lr: float) -> l
     losses = []
     for _ in range(steps):
         idx = torch.randint(len(x_all), (batch_size,), generator=generator)
-        loss = workload.loss_sum(model(x_all[idx]), y_all[idx]) / batch_size
+        loss = workload.training_step(model, (x_all[idx], y_all[idx]))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -80,7 +80,7 @@ def test_chargpt_shapes_and_initial_loss():
     model = workload.build_model()
     logits = model(x[:4])
     assert logits.shape == (4, 32, 256)
-    mean_loss = workload.loss_sum(logits, y[:4]).item() / 4
+    mean_loss = workload.training_step(model, (x[:4], y[:4])).item()
     assert abs(mean_loss - math.log(256)) < 0.5
     metrics = workload.evaluate(model)
     assert abs(metrics["eval_loss"] - math.log(256)) < 0.5

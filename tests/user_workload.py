@@ -22,8 +22,9 @@ class Parity:
     def train_dataset(self) -> TensorDataset:
         return TensorDataset(self.inputs[: self.num_samples], self.targets[: self.num_samples])
 
-    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(outputs, targets, reduction="sum")
+    def training_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        return torch.nn.functional.cross_entropy(model(inputs), targets)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         with torch.no_grad():
@@ -46,11 +47,11 @@ class SlowDigits:
     def train_dataset(self) -> TensorDataset:
         return self.digits.train_dataset()
 
-    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def training_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         import time
 
         time.sleep(self.pause_s)
-        return self.digits.loss_sum(outputs, targets)
+        return self.digits.training_step(model, batch)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         return self.digits.evaluate(model)

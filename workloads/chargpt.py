@@ -122,8 +122,7 @@ class CharGPT:
     Example::
 
         workload = CharGPT(n_layer=1, n_embd=32)
-        x, y = workload.train_dataset()[:4]
-        loss = workload.loss_sum(workload.build_model()(x), y) / 4  # ~ln(256) at init
+        loss = workload.training_step(workload.build_model(), workload.train_dataset()[:4])  # ~ln(256) at init
     """
 
     def __init__(self, *, n_layer: int = 2, n_head: int = 2, n_embd: int = 64, block_size: int = 64,
@@ -162,9 +161,10 @@ class CharGPT:
         """Inputs and next-byte targets, both ``int64[N, block_size]``."""
         return TensorDataset(self._inputs, self._targets)
 
-    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-sample mean token cross-entropy, summed over the samples of the batch."""
-        return F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten(), reduction="sum") / targets.shape[1]
+    def training_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Mean next-byte cross-entropy over the batch's tokens (every sample has block_size of them)."""
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Mean per-token ``eval_loss`` on up to 64 held-out windows, and ``bits_per_byte``."""

@@ -32,8 +32,7 @@ class Digits:
 
         workload = Digits(hidden=64)
         model = workload.build_model()
-        x, y = workload.train_dataset()[:32]
-        workload.loss_sum(model(x), y).backward()
+        workload.training_step(model, workload.train_dataset()[:32]).backward()
     """
 
     def __init__(self, *, hidden: int = 128, test_fraction: float = 0.2, split_seed: int = 0):
@@ -67,9 +66,10 @@ class Digits:
         """Training images ``float32[N, 64]`` in [0, 1] and labels ``int64[N]``."""
         return TensorDataset(self._x_train, self._y_train)
 
-    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy summed over the batch."""
-        return F.cross_entropy(outputs, targets, reduction="sum")
+    def training_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy over the batch of ``(images, labels)``."""
+        images, labels = batch
+        return F.cross_entropy(model(images), labels)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Held-out ``accuracy`` and mean cross-entropy ``eval_loss``; leaves the model's mode as it was."""
