@@ -50,6 +50,8 @@ class RunResult:
     memory: list[dict[str, int]] | None = None
     """Per rank: bytes of parameters, gradients and optimizer state held at the end of the run."""
     ledger: dict[int, list[int]] | None = None
+    eval_history: list[dict[str, Any]] | None = None
+    """The periodic evaluations (eval.every_steps): ``{"step", "time_s", metrics...}`` each."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Controller:
                                          async_save=job.checkpoint.async_save)
         self.replicated = build_strategy(job.strategy).replicated
         spec = WorkerSpec(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
+                          data=job.data, eval=job.eval,
                           use_gpu=scaling.use_gpu, torch_threads=max(1, int(scaling.cpus_per_worker)),
                           checkpointer=self.checkpointer, profile_dir=profile_dir)
         shape = SlotShape(cpus=scaling.cpus_per_worker, gpus=int(scaling.use_gpu),
@@ -127,12 +130,14 @@ class Controller:
             self.membership.shutdown()
             self.log.close()
 
-    def progress(self, history_since: int = 0, events_since: int = 0, wait_s: float = 0.0) -> dict[str, Any]:
-        """New history rows and events since the given positions, and the current membership; waits
-        up to ``wait_s`` for an event past ``events_since`` (or the run's end) before answering."""
+    def progress(self, history_since: int = 0, events_since: int = 0, evaluations_since: int = 0,
+                 wait_s: float = 0.0) -> dict[str, Any]:
+        """New history rows, events and evaluations since the given positions, and the current membership;
+        waits up to ``wait_s`` for an event past ``events_since`` (or the run's end) before answering."""
         if wait_s > 0:
             self.log.wait_for_news(events_since, wait_s)
         return {"history": self.log.history(history_since), "events": self.log.events(events_since),
+                "evaluations": self.log.evaluations(evaluations_since),
                 "generation": self.generation, "world_size": self.membership.size, "step": self.step,
                 "members": [m.name for m in self.members], "failures": self.failures}
 
@@ -326,7 +331,7 @@ class Controller:
         metrics = {**({"loss": history[-1]["loss"]} if history else {}), **metrics}  # none when resumed at the end
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})
         return RunResult(final_step=self.step, metrics=metrics, history=history, events=self.log.events(),
-                         model_state=model_state, checkpoint=path, memory=memory,
+                         model_state=model_state, checkpoint=path, memory=memory, eval_history=self.log.evaluations(),
                          ledger=self.log.ledger() if self.job.training.record_samples else None)
 
     def _checkpoint_note(self) -> str:

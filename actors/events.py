@@ -46,6 +46,7 @@ class RunLog:
         self._steps: dict[int, _StepReports] = {}
         self._history_order: list[int] = []
         self._samples: dict[int, list[int]] = {}
+        self._evaluations: list[dict[str, Any]] = []
 
     def event(self, type_: str, step: int, **fields: Any) -> dict[str, Any]:
         record = {"type": type_, "step": step, "time_s": round(time.time() - self.started, 4), **fields}
@@ -104,6 +105,15 @@ class RunLog:
                 "step_s": round(lowest.step_s, 5), **lowest.timings,
                 "bytes_sent": sum(r.bytes_sent for r in ranks),
                 "uncompressed_bytes": sum(r.uncompressed_bytes for r in ranks)}
+
+    def add_evaluation(self, step: int, finished_at: float, metrics: dict[str, float]) -> None:
+        """A periodic evaluation's metrics, taken after ``step`` (the eval history's row)."""
+        with self._lock:
+            self._evaluations.append({"step": step, "time_s": round(finished_at - self.started, 4), **metrics})
+
+    def evaluations(self, since: int = 0) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._evaluations[since:])
 
     def add_samples(self, step: int, sample_ids: tuple[int, ...]) -> None:
         """Ledger entry: the samples all ranks consumed in ``step`` (a redone step replaces its entry)."""

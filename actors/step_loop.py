@@ -1,26 +1,34 @@
 """One training step, the same math at every world size.
 
 Each rank runs forward/backward over its slice of the global batch in micro-batches (only the
-last one communicates), with each micro-batch's summed loss scaled by world_size / B, because
-DDP averages gradients over ranks: the result is the gradient of the mean loss over the global
-batch. The step commits (the optimizer steps) once its gradient communication has completed on
-this rank; a peer lost before that fails the step, which is then discarded. A step makes no
-collective of its own: it reports this rank's summed loss and sample count, and the Controller sums
-them over the ranks (the loss the run reports); stopping at a common step boundary is
-actors/stop_vote.py's job.
+last one communicates). The workload's ``training_step`` returns a micro-batch's mean loss; it is
+weighted by the micro-batch's samples times world_size / B, because DDP and FSDP average gradients
+over ranks: the result is the gradient of the mean loss over the global batch. Before each
+micro-batch the RNG is seeded from the run seed, the step and the micro-batch's position in the
+global batch, so dropout masks are a function of the data order, not of the process. The step sets
+the scheduled lr, measures (and optionally clips) the global gradient norm and commits (the optimizer
+steps) once its gradient communication has completed on this rank; a peer lost before that fails
+the step, which is then discarded. A step makes no collective of its own besides the gradients' (and,
+under FSDP, the norm's): it reports this rank's summed loss and sample count, and the Controller sums
+them over the ranks; stopping at a common step boundary is actors/stop_vote.py's job.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset
 
-from actors.data_order import GlobalSampleOrder, micro_batches
+from actors.batches import Collate, planned_batches, to_device
+from actors.data_order import GlobalSampleOrder, micro_batches, rank_slice
+from actors.recipe import clip_gradients, learning_rate, set_learning_rate
+from cluster.config import DataConfig, OptimConfig
 from strategies.base import Strategy, TrainState
 from workloads.protocol import Workload
 
@@ -47,17 +55,10 @@ class StepResult:
     exposed_comm_s: float | None = None
     skipped: bool = False
     """fp16: the loss scaler found inf/nan gradients and skipped the optimizer step."""
-
-
-def gather_batch(dataset: Dataset, indices: torch.Tensor, device: torch.device) -> tuple:
-    """The (inputs, targets) of ``indices``: one gather for a TensorDataset, else default_collate."""
-    if isinstance(dataset, TensorDataset):
-        inputs, targets = (t[indices] for t in dataset.tensors)
-    else:
-        inputs, targets = default_collate([dataset[i] for i in indices.tolist()])
-    if inputs.device != device:
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-    return inputs, targets
+    lr: float = 0.0
+    """The learning rate of the step (the first param group's)."""
+    grad_norm: float = 0.0
+    """The global L2 norm of the step's gradient, before clipping."""
 
 
 @dataclass
@@ -65,49 +66,72 @@ class StepRunner:
     """Runs step k of the global sample order on the current group."""
 
     workload: Workload
-    dataset: Dataset
     order: GlobalSampleOrder
     strategy: Strategy
     micro_batch_size: int | None
     device: torch.device
+    optim: OptimConfig
+    total_steps: int
+    """training.steps: the length of the lr schedule."""
+    seed: int = 0
     record_samples: bool = False
     precision: str = "fp32"
     scaler: torch.amp.GradScaler | None = None
     """fp16 only: dynamic loss scaling (its state lives across steps and generations)."""
+    dataset: Dataset | None = None
+    """Where ``run`` fetches a step's batches when it is given none (tests, benchmarks)."""
 
-    def run(self, state: TrainState, step_index: int) -> StepResult:
-        """Train on step ``step_index`` (0-based) and commit it; collectives fail if a peer is lost."""
+    def batches(self, dataset: Dataset, first_step: int, until_step: int, *, collate: Collate | None = None,
+                data: DataConfig | None = None) -> Iterator[Any]:
+        """This rank's collated micro-batches of steps [first_step, until_step) in the current group, for ``run``."""
+        return planned_batches(dataset, self.order, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                               first_step=first_step, until_step=until_step, micro_batch_size=self.micro_batch_size,
+                               collate=collate, data=data or DataConfig(), pin_memory=self.device.type == "cuda")
+
+    def run(self, state: TrainState, step_index: int, batches: Iterator[Any] | None = None) -> StepResult:
+        """Train on step ``step_index`` (0-based), its micro-batches taken from ``batches`` (this rank's,
+        in order: ``self.batches``; None: fetched from ``self.dataset`` now), and commit it; collectives fail
+        if a peer is lost."""
         started = time.perf_counter()
+        if batches is None:
+            batches = self.batches(self.dataset, step_index, step_index + 1)
         rank, world_size = dist.get_rank(), dist.get_world_size()
         indices = self.order.rank_indices(step_index, rank, world_size)
-        scale = world_size / self.order.global_batch_size
+        weight = world_size / self.order.global_batch_size
+        position = rank_slice(self.order.global_batch_size, rank, world_size)[0]
         chunks = micro_batches(indices, self.micro_batch_size)
         loss_sum: torch.Tensor | None = None
+        lr = learning_rate(step_index, self.optim, self.total_steps)
+        set_learning_rate(state.optimizer, lr)
         state.optimizer.zero_grad(set_to_none=True)
-        for position, chunk in enumerate(chunks):
-            inputs, targets = gather_batch(self.dataset, chunk, self.device)
-            last = position == len(chunks) - 1
-            with contextlib.nullcontext() if last else self.strategy.no_sync(state), self._autocast():
-                loss = self.workload.loss_sum(state.wrapped(inputs), targets)
-            if self.precision != "fp32":
-                loss = loss.float()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            scaled = loss * scale
+        for number, chunk in enumerate(chunks):
+            batch = to_device(next(batches), self.device)
+            seed_rng(step_seed(self.seed, step_index, position), self.device)
+            position += len(chunk)
+            last = number == len(chunks) - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync(state), self.autocast():
+                loss = self.workload.training_step(state.wrapped, batch)
+            samples_loss = loss.float() * len(chunk)
+            loss_sum = samples_loss.detach() if loss_sum is None else loss_sum + samples_loss.detach()
+            scaled = samples_loss * weight
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         backward_returned = time.perf_counter()
         consumed = self._gather_sample_ids(indices, world_size) if self.record_samples else None
+        if self.scaler is not None:
+            self.scaler.unscale_(state.optimizer)  # the norm and the clipping see the true gradients
+        grad_norm = clip_gradients(state.model.parameters(), self.optim.clip_grad_norm)
         skipped = self._optimizer_step(state.optimizer)
         traffic = state.comm.state.take_traffic() if state.comm else None
         timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
         return StepResult(step=step_index + 1, loss_sum=loss_sum.item(), samples=len(indices),
                           duration_s=time.perf_counter() - started, finished_at=time.time(),
-                          sample_ids=consumed, skipped=skipped,
+                          sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm,
                           bytes_sent=traffic.bytes_sent if traffic else 0,
                           uncompressed_bytes=traffic.uncompressed_bytes if traffic else 0,
                           comm_s=timing.comm_s if timing else None,
                           exposed_comm_s=timing.exposed_comm_s if timing else None)
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
@@ -130,3 +154,15 @@ class StepRunner:
         parts = [torch.empty_like(padded, device=self.device) for _ in range(world_size)]
         dist.all_gather(parts, padded.to(self.device))
         return tuple(i for part in parts for i in part.tolist() if i >= 0)
+
+
+def step_seed(seed: int, step: int, position: int) -> int:
+    """The RNG seed of the micro-batch that starts at ``position`` of step ``step``'s global batch."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + position) % 2**63
+
+
+def seed_rng(seed: int, device: torch.device) -> None:
+    """Seed the generators a forward on ``device`` draws from (torch.manual_seed seeds every backend: ~50 us)."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)  # the current device's generator

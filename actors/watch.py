@@ -181,7 +181,8 @@ class Watcher:
             row = log.add_step(result.step, result.finished_at, generation=controller.generation, rank=rank,
                                world_size=len(controller.members), loss_sum=result.loss_sum, samples=result.samples,
                                step_s=result.duration_s, bytes_sent=result.bytes_sent,
-                               uncompressed_bytes=result.uncompressed_bytes, **timings,
+                               uncompressed_bytes=result.uncompressed_bytes, lr=result.lr,
+                               grad_norm=round(result.grad_norm, 6), **timings,
                                **({"skipped": True} if result.skipped else {}))
             completed = row or completed
             if result.sample_ids is not None:
@@ -195,6 +196,8 @@ class Watcher:
                                               world_size=completed["world_size"])
         for event in status.events:
             log.event(event.pop("type"), event.pop("step"), **event)
+        for evaluation in status.evaluations:
+            log.add_evaluation(evaluation.pop("step"), evaluation.pop("time"), evaluation)
 
     def _fire_ray_kills(self, members: list[Member]) -> None:
         """The ``ray_kill`` fault: a worker that reached it waits mid-step for Ray to kill it from outside."""

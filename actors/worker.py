@@ -36,11 +36,21 @@ import torch
 import torch.distributed as dist
 
 from actors.data_order import GlobalSampleOrder
+from actors.evaluation import Evaluator
 from actors.faults import fire
 from actors.priority import run_at_normal_priority
+from actors.recipe import optimizer_factory
 from actors.step_loop import StepResult, StepRunner
 from actors.stop_vote import StopVote
-from cluster.config import FaultConfig, OptimConfig, StrategyConfig, TrainingConfig, WorkloadConfig
+from cluster.config import (
+    DataConfig,
+    EvalConfig,
+    FaultConfig,
+    OptimConfig,
+    StrategyConfig,
+    TrainingConfig,
+    WorkloadConfig,
+)
 from strategies import build_strategy
 from strategies.base import GroupContext, TrainState, init_optimizer_state, memory_breakdown
 from strategies.checkpoint import Checkpointer, load_into
@@ -61,6 +71,8 @@ class WorkerSpec:
     training: TrainingConfig
     optim: OptimConfig
     strategy: StrategyConfig
+    data: DataConfig
+    eval: EvalConfig
     use_gpu: bool
     torch_threads: int
     checkpointer: Checkpointer
@@ -82,17 +94,10 @@ class WorkerStatus:
     results: list[StepResult] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     error: str | None = None
+    evaluations: list[dict] = field(default_factory=list)
+    """Periodic evaluations since the last poll (rank 0 reports them): ``{"step", "time", metrics...}``."""
     version: int = 0
     """Counts the news (phase changes, events, errors) so far; pass it back as ``poll``'s ``seen``."""
-
-
-def optimizer_factory(config: OptimConfig):
-    def build(parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        if config.name == "adamw":
-            return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
-        return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-
-    return build
 
 
 class TrainWorker:
@@ -106,14 +111,17 @@ class TrainWorker:
         self.backend = choose_backend(spec.use_gpu)
         self.workload = load_workload(spec.workload.name, spec.workload.options)
         self.strategy = build_strategy(spec.strategy)
-        self.build_optimizer = optimizer_factory(spec.optim)
-        dataset = self.workload.train_dataset()
+        self.build_optimizer = optimizer_factory(spec.optim, getattr(self.workload, "configure_optimizer", None))
+        self.dataset = self.workload.train_dataset()
+        training = spec.training
         self.runner = StepRunner(
-            workload=self.workload, dataset=dataset, strategy=self.strategy,
-            order=GlobalSampleOrder(len(dataset), spec.training.global_batch_size, spec.training.seed),
-            micro_batch_size=spec.training.micro_batch_size, device=self.device,
-            record_samples=spec.training.record_samples, precision=spec.training.precision,
-            scaler=torch.amp.GradScaler("cuda") if spec.training.precision == "fp16" else None)
+            workload=self.workload, strategy=self.strategy,
+            order=GlobalSampleOrder(len(self.dataset), training.global_batch_size, training.seed),
+            micro_batch_size=training.micro_batch_size, device=self.device, optim=spec.optim,
+            total_steps=training.steps, seed=training.seed, record_samples=training.record_samples,
+            precision=training.precision, scaler=torch.amp.GradScaler("cuda") if training.precision == "fp16" else None)
+        self.evaluator = Evaluator(self.workload, batch_size=spec.eval.batch_size, device=self.device,
+                                   autocast=self.runner.autocast)
         self.state: TrainState | None = None
         self.step = 0
         self.checkpoint_group: dist.ProcessGroup | None = None
@@ -124,6 +132,7 @@ class TrainWorker:
         self._phase: Phase = "idle"
         self._results: list[StepResult] = []
         self._events: list[dict] = []
+        self._evaluations: list[dict] = []
         self._error: str | None = None
         self._stop_requested = threading.Event()
         self._thread: threading.Thread | None = None
@@ -199,7 +208,8 @@ class TrainWorker:
             self._lock.wait_for(lambda: self._version != seen, timeout=wait_s)
             results, self._results = self._results, []
             events, self._events = self._events, []
-            return WorkerStatus(self._phase, self.step, results, events, self._error, self._version)
+            evaluations, self._evaluations = self._evaluations, []
+            return WorkerStatus(self._phase, self.step, results, events, self._error, evaluations, self._version)
 
     def _set_phase(self, phase: Phase, error: str | None = None) -> None:
         """Only "failed" carries an error; every other phase clears it."""
@@ -231,8 +241,8 @@ class TrainWorker:
         return full
 
     def evaluate(self) -> dict[str, float]:
-        """Collective for sharded strategies (every rank runs the forward passes)."""
-        return self.workload.evaluate(self.state.model)
+        """Collective: the workload's ``evaluate`` and its distributed ``eval_step`` metrics."""
+        return self.evaluator.run(self.state.model)
 
     def memory(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds."""
@@ -280,6 +290,9 @@ class TrainWorker:
     def _steps(self, until_step: int, faults: tuple[FaultConfig, ...], profiler: Any) -> None:
         compiling = self.spec.training.compile
         vote = StopVote(first_step=self.step, device=self.device)
+        batches = self.runner.batches(self.dataset, self.step, until_step, data=self.spec.data,
+                                      collate=getattr(self.workload, "collate", None))
+        eval_every = self.spec.eval.every_steps
         while self.step < until_step:
             for fault in faults:
                 if fault.step == self.step + 1 and fault.action == "ray_kill":
@@ -291,7 +304,7 @@ class TrainWorker:
             voting = vote.due(step_index)
             if voting:
                 vote.open(step_index, stop=self._stop_requested.is_set())
-            result = self.runner.run(self.state, step_index)
+            result = self.runner.run(self.state, step_index, batches)
             with self._lock:
                 self.step = result.step
                 self._results.append(result)
@@ -308,10 +321,19 @@ class TrainWorker:
             if self.spec.checkpointer.due(self.step):
                 self._wait_for_save()
                 self._start_save()
+            if eval_every and self.step % eval_every == 0 and self.step < self.spec.training.steps:
+                self._evaluate_periodically()  # every rank reaches this step: the last one is _finish's
             if stop:
                 self._set_phase("stopped")
                 return
         self._set_phase("finished")
+
+    def _evaluate_periodically(self) -> None:
+        metrics = self.evaluator.run(self.state.model)
+        if dist.get_rank() == 0:
+            with self._lock:
+                self._evaluations.append({"step": self.step, "time": time.time(), **metrics})
+                self._announce()
 
     def _profiler(self) -> contextlib.AbstractContextManager:
         """Rank 0 traces ``training.profile_steps`` steps once per run (after 1 wait + 1 warm-up step)."""

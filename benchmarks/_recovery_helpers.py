@@ -88,7 +88,7 @@ def ray_train_loop(config: dict[str, Any]) -> None:
         indices = order.rank_indices(step, rank, world_size)
         inputs, targets = data.tensors[0][indices], data.tensors[1][indices]
         optimizer.zero_grad(set_to_none=True)
-        loss = workload.loss_sum(model(inputs), targets)
+        loss = workload.training_step(model, (inputs, targets)) * len(indices)  # summed over the samples
         (loss * world_size / batch).backward()
         metrics = torch.stack([loss.detach().double(), torch.tensor(float(len(indices)), dtype=torch.float64)])
         dist.all_reduce(metrics)  # as ours: the step's loss and sample count

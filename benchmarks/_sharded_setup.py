@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from actors.data_order import GlobalSampleOrder
+from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
-from actors.worker import optimizer_factory
 from cluster.config import OptimConfig, StrategyConfig
 from strategies import build_strategy
 from strategies.base import GroupContext, Strategy, TrainState
@@ -45,10 +45,11 @@ def set_up(strategy_name: str, model: dict[str, int], *, global_batch_size: int,
     strategy = build_strategy(StrategyConfig(name=strategy_name))
     context = GroupContext(node_ids=("local",) * dist.get_world_size(), completed_steps=0)
     torch.manual_seed(SEED)  # identical initialisation on every rank
-    state = strategy.setup(workload.build_model, optimizer_factory(OptimConfig(name="adamw", lr=1e-3)),
+    optim = OptimConfig(name="adamw", lr=1e-3)
+    state = strategy.setup(workload.build_model, optimizer_factory(optim),
                            torch.device("cpu"), None, context)
     dataset = workload.train_dataset()
-    runner = StepRunner(workload=workload, dataset=dataset, strategy=strategy,
+    runner = StepRunner(workload=workload, dataset=dataset, strategy=strategy, optim=optim, total_steps=10**6,
                         order=GlobalSampleOrder(len(dataset), global_batch_size, seed=SEED),
                         micro_batch_size=micro_batch_size, device=torch.device("cpu"))
     return Setup(strategy=strategy, state=state, runner=runner)

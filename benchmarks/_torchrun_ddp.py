@@ -49,7 +49,7 @@ def main() -> None:
     for step in range(args.steps):
         indices = order.rank_indices(step, rank, world_size)
         optimizer.zero_grad(set_to_none=True)
-        loss = workload.loss_sum(model(inputs[indices]), targets[indices])
+        loss = workload.training_step(model, (inputs[indices], targets[indices])) * len(indices)  # summed
         (loss * scale).backward()
         optimizer.step()
         if rank == 0:

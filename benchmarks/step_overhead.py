@@ -55,6 +55,7 @@ def make_step(variant: str) -> Callable[[int], None]:
     from actors.data_order import GlobalSampleOrder
     from actors.step_loop import StepRunner
     from actors.stop_vote import StopVote
+    from cluster.config import OptimConfig
     from strategies.compression import make_comm_hook
     from strategies.ddp import DDPStrategy
     from strategies.overlap import CommTimer
@@ -66,29 +67,33 @@ def make_step(variant: str) -> Callable[[int], None]:
     order = GlobalSampleOrder(len(dataset), GLOBAL_BATCH, seed=0)
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
-    def build_optimizer(parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.0)
+    def build_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
 
     if variant in ("steprunner", "+vote"):
         device = torch.device("cpu")
         state = DDPStrategy().setup(workload.build_model, build_optimizer, device, None)
-        runner = StepRunner(workload, dataset, order, DDPStrategy(), None, device)
+        runner = StepRunner(workload=workload, order=order, strategy=DDPStrategy(), micro_batch_size=None,
+                            device=device, optim=OptimConfig(name="adamw", lr=1e-3), total_steps=10**7)
+        # As the worker does: one DataLoader over the coming steps' batches. Rounds repeat step numbers,
+        # so a batch's samples need not be step k's: only the time matters here.
+        batches = runner.batches(dataset, 0, 10**7)
         if variant == "steprunner":
-            return lambda k: runner.run(state, k)
+            return lambda k: runner.run(state, k, batches)
         vote = StopVote(first_step=0, device=device)
 
         def voting_step(k: int) -> None:  # TrainWorker._steps without its bookkeeping
             voting = vote.due(k)
             if voting:
                 vote.open(k, stop=False)
-            runner.run(state, k)
+            runner.run(state, k, batches)
             if voting:
                 vote.close(k)
 
         return voting_step
 
     model = torch.nn.parallel.DistributedDataParallel(workload.build_model(), bucket_cap_mb=25.0)
-    optimizer = build_optimizer(list(model.parameters()))
+    optimizer = build_optimizer(model)
     if variant == "+hook":
         hook = make_comm_hook("none")
         model.register_comm_hook(hook.state, CommTimer().wrap(hook.hook))
@@ -98,7 +103,7 @@ def make_step(variant: str) -> Callable[[int], None]:
     def step(k: int) -> None:
         indices = order.rank_indices(k, rank, world_size)
         optimizer.zero_grad(set_to_none=True)
-        loss = workload.loss_sum(model(inputs[indices]), targets[indices])
+        loss = workload.training_step(model, (inputs[indices], targets[indices])) * len(indices)
         (loss * scale).backward()
         optimizer.step()
         loss.item()

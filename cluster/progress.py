@@ -39,6 +39,8 @@ class ProgressDisplay:
     def update(self, progress: dict[str, Any]) -> None:
         for event in progress["events"]:
             self.console.print(format_event(event), style=EVENT_STYLES.get(event["type"]), highlight=False)
+        for evaluation in progress.get("evaluations", ()):
+            self.console.print(format_evaluation(evaluation), style="magenta", highlight=False)
         if not progress["history"]:
             return
         row = progress["history"][-1]
@@ -54,3 +56,8 @@ class ProgressDisplay:
 def format_event(event: dict[str, Any]) -> str:
     details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "step", "time_s"))
     return f"[{event['time_s']:7.2f}s] step {event['step']}: {event['type']}" + (f" ({details})" if details else "")
+
+
+def format_evaluation(evaluation: dict[str, Any]) -> str:
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in evaluation.items() if k not in ("step", "time_s"))
+    return f"[{evaluation['time_s']:7.2f}s] step {evaluation['step']}: eval  {metrics}"

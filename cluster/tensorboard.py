@@ -1,7 +1,8 @@
 """Run metrics for TensorBoard, written by the driver into ``<run dir>/tensorboard``.
 
-``tensorboard --logdir runs/NAME`` then shows loss, throughput, bytes sent, exposed
-communication and world size per step, and the run's events as text.
+``tensorboard --logdir runs/NAME`` then shows loss, learning rate, gradient norm, throughput, bytes
+sent, exposed communication and world size per step, the periodic evaluations, and the run's events
+as text.
 
 Steps are written at most every ``min_interval_s`` of run time (default 0.1 s: ten points a
 second, plus the last step): a small model commits hundreds of steps a second, and writing each
@@ -16,7 +17,7 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
-SCALARS = ("loss", "samples_per_s", "world_size", "bytes_sent", "comm_s", "exposed_comm_s", "step_s")
+SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "world_size", "bytes_sent", "comm_s", "exposed_comm_s", "step_s")
 
 
 class TensorBoardLog:
@@ -34,6 +35,10 @@ class TensorBoardLog:
                 self._write_step(row)
             else:
                 self._unwritten = row
+        for evaluation in progress.get("evaluations", ()):
+            for name, value in evaluation.items():
+                if name not in ("step", "time_s"):
+                    self.writer.add_scalar(f"eval/{name}", value, global_step=evaluation["step"])
         for event in progress["events"]:
             details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "step"))
             self.writer.add_text("events", f"{event['type']}: {details}", global_step=event["step"])

@@ -23,7 +23,22 @@ import torch
 from torch.distributed.tensor import DTensor
 
 ModelFactory = Callable[[], torch.nn.Module]
-OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
+"""Builds the optimizer over a model's (possibly sharded) parameters."""
+
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+                          torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam,
+                          torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
+"""Optimizers whose update of an entry depends on that entry alone, so they can run on row shards."""
+
+
+def require_elementwise(optimizer: torch.optim.Optimizer, strategy: str) -> None:
+    """Refuse an optimizer a sharding strategy cannot run on row shards (L-BFGS, Adafactor, ...)."""
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        allowed = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(f"strategy.name={strategy} shards optimizer state by rows, which needs an element-wise "
+                         f"optimizer ({allowed}); the workload's configure_optimizer returned "
+                         f"{type(optimizer).__module__}.{type(optimizer).__name__}: use strategy.name=ddp for it")
 
 
 @dataclass(frozen=True)

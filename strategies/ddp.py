@@ -58,7 +58,7 @@ class DDPStrategy:
         and its communication hook are new, so error-feedback buffers start at zero on every rank."""
         if previous is None:
             model = build_model()
-            optimizer = build_optimizer(list(model.parameters()))
+            optimizer = build_optimizer(model)
         else:
             model, optimizer = previous.model, previous.optimizer
         wrapped = wrap_ddp(model, device, self.bucket_cap_mb)

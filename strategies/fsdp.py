@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
-from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState
+from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -46,7 +46,9 @@ class FSDPStrategy:
         for child in _units(model):
             fully_shard(child, **options)
         fully_shard(model, **options)
-        return TrainState(model=model, wrapped=model, optimizer=build_optimizer(list(model.parameters())))
+        optimizer = build_optimizer(model)
+        require_elementwise(optimizer, self.name)
+        return TrainState(model=model, wrapped=model, optimizer=optimizer)
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return _without_gradient_sync(state.model)

@@ -22,21 +22,31 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState
+from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
 from strategies.ddp import ddp_no_sync, wrap_ddp
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """Runs ``inner`` on this rank's dim-0 chunk of every parameter, then all-gathers the chunks."""
+    """Runs ``inner`` on this rank's dim-0 chunk of every parameter, then all-gathers the chunks.
 
-    def __init__(self, parameters: list[torch.nn.Parameter], build_optimizer: OptimizerFactory,
-                 device: torch.device) -> None:
-        self.full = [p for p in parameters if p.requires_grad]
+    ``inner`` is the optimizer ``build_optimizer`` makes for the full model, its param groups (and
+    their settings) kept, each parameter replaced by its shard before any state exists.
+    """
+
+    def __init__(self, model: torch.nn.Module, build_optimizer: OptimizerFactory, device: torch.device) -> None:
+        self.full = [p for p in model.parameters() if p.requires_grad]
         self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.shards = [torch.nn.Parameter(self._shard_of(p.data)) for p in self.full]
-        self.inner = build_optimizer(self.shards)
+        shard_of = {full: torch.nn.Parameter(self._shard_of(full.data)) for full in self.full}
+        self.shards = list(shard_of.values())
+        self.inner = build_optimizer(model)
+        require_elementwise(self.inner, "zero1")
+        for group in self.inner.param_groups:
+            if any(p not in shard_of for p in group["params"]):
+                raise ValueError("workload.configure_optimizer: under strategy.name=zero1 every parameter it "
+                                 "optimizes must be one of the model's trainable parameters")
+            group["params"] = [shard_of[p] for p in group["params"]]
         self.defaults = self.inner.defaults
 
     @property
@@ -89,7 +99,7 @@ class Zero1Strategy:
               previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
         """Keeps the model (replicated); the optimizer's shards depend on the group, so it is rebuilt."""
         model = previous.model if previous is not None else build_model()
-        optimizer = ShardedOptimizer(list(model.parameters()), build_optimizer, device)
+        optimizer = ShardedOptimizer(model, build_optimizer, device)
         return TrainState(model=model, wrapped=wrap_ddp(model, device, self.bucket_cap_mb), optimizer=optimizer)
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from actors.data_order import GlobalSampleOrder
+from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
-from actors.worker import optimizer_factory
 from cluster.config import OptimConfig, StrategyConfig
 from strategies import build_strategy
 from strategies.base import init_optimizer_state
@@ -30,7 +30,8 @@ def setup(strategy_name: str, optimizer: str = "adamw"):
     state = strategy.setup(workload.build_model, optimizer_factory(OPTIMIZERS[optimizer]), torch.device("cpu"),
                            None)
     dataset = workload.train_dataset()
-    runner = StepRunner(workload=workload, dataset=dataset, strategy=strategy,
+    runner = StepRunner(workload=workload, dataset=dataset, strategy=strategy, optim=OPTIMIZERS[optimizer],
+                        total_steps=10**6,
                         order=GlobalSampleOrder(len(dataset), GLOBAL_BATCH, seed=0), micro_batch_size=4,
                         device=torch.device("cpu"))
     return strategy, state, runner

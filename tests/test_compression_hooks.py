@@ -315,7 +315,7 @@ def _ddp_checks() -> dict:
 
 def _strategy_hooks(strategy: DDPStrategy) -> dict:
     """What DDPStrategy registers on its DDP: the Python hooks, and what counts bytes and times buckets."""
-    state = strategy.setup(_model, lambda parameters: torch.optim.SGD(parameters, lr=0.1), torch.device("cpu"), None)
+    state = strategy.setup(_model, lambda model: torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), None)
     return {"python_hooks": len(state.wrapped._comm_hooks), "traffic": type(state.comm.state).__name__,
             "timed": state.comm.timer is not None}
 

@@ -31,8 +31,9 @@ LOST_PEER_LEAVES_AFTER_S = 1.0
 def _leave_with_a_vote_in_flight() -> float:
     """Rank 1 is the lost peer: it never votes and leaves after a while. Rank 0 opens a vote, then
     leaves the group as join() does. Returns how long rank 0's leaving took."""
-    state = DDPStrategy().setup(lambda: torch.nn.Linear(8, 8), lambda p: torch.optim.SGD(p, lr=0.1),
-                                torch.device("cpu"), previous=None)
+    state = DDPStrategy().setup(lambda: torch.nn.Linear(8, 8),
+                                lambda model: torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"),
+                                previous=None)
     if dist.get_rank() == 1:
         time.sleep(LOST_PEER_LEAVES_AFTER_S)
         return 0.0

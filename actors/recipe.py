@@ -1,0 +1,80 @@
+"""The optimizer side of a step: which optimizer, the learning rate of step k, gradient clipping.
+
+Everything here is a function of the committed step and the config, so a recovered or resumed run
+continues the same recipe: the lr of step k is recomputed, not restored. Warm-up is linear from
+``lr / warmup_steps``; after it ``linear`` and ``cosine`` decay reach ``min_lr`` at the last step
+(Loshchilov & Hutter 2017 for cosine, as nanoGPT and torchtitan schedule it).
+
+Example::
+
+    lr = learning_rate(step=10, optim=OptimConfig(lr=1e-3, warmup_steps=100), total_steps=1000)  # 1.1e-4
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from cluster.config import OptimConfig
+
+OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
+
+
+def optimizer_factory(config: OptimConfig, configure: Callable[[torch.nn.Module], object] | None = None
+                      ) -> OptimizerFactory:
+    """Builds the optimizer for a model: the workload's ``configure_optimizer`` when it has one, else
+    ``config.name`` over every parameter. Every param group gets ``lr_scale`` (default 1)."""
+
+    def build(model: torch.nn.Module) -> torch.optim.Optimizer:
+        if configure is None:
+            parameters = list(model.parameters())
+            if config.name == "adamw":
+                optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+            else:
+                optimizer = torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum,
+                                            weight_decay=config.weight_decay)
+        else:
+            optimizer = configure(model)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"workload.configure_optimizer must return a torch.optim.Optimizer, got "
+                                f"{type(optimizer).__name__}")
+        for group in optimizer.param_groups:
+            group.setdefault("lr_scale", 1.0)
+        return optimizer
+
+    return build
+
+
+def learning_rate(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """The learning rate of step ``step`` (0-based) of a run of ``total_steps`` steps."""
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return optim.lr
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    if optim.schedule == "linear":
+        return optim.lr - (optim.lr - optim.min_lr) * progress
+    return optim.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (optim.lr - optim.min_lr)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every param group's lr is ``lr`` times the group's ``lr_scale``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """The global L2 norm of the gradients (over every rank's shards under ZeRO-2/3), clipped to
+    ``max_norm`` when it is positive. Call after the gradients are reduced, before the optimizer steps."""
+    with_grad = [p for p in parameters if p.grad is not None]
+    if not with_grad:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
+    if isinstance(norm, DTensor):  # FSDP2's sharded gradients: the per-shard norms are reduced over ranks
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm)
+    return norm.item()
