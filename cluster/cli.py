@@ -16,7 +16,8 @@ import argparse
 import importlib
 import sys
 
-COMMAND_MODULES = ("cluster.train_command", "cluster.export_command", "cluster.status_command", "tuning.cli")
+COMMAND_MODULES = ("cluster.train_command", "cluster.export_command", "cluster.status_command",
+                   "cluster.tokenize_command", "tuning.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

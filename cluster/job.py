@@ -27,6 +27,7 @@ from actors.controller import ControllerActor, ReservedBundles, RunFailed, RunRe
 from cluster.config import JobConfig
 from cluster.connect import ray_session
 from cluster.tensorboard import TensorBoardLog
+from cluster.tracking import MlflowLog, RunEnd
 from workloads import resolve_workload_class
 
 ProgressCallback = Callable[[dict[str, Any]], None]
@@ -47,9 +48,12 @@ def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | N
     checkpoint_root = job.checkpoint.path or default_checkpoint_root(run_dir)
     profile_dir = str(run_dir / "profile") if job.training.profile_steps else None
     tensorboard = TensorBoardLog(run_dir)
+    mlflow_log = MlflowLog(job.tracking, job, run_dir) if job.tracking.mlflow_uri else None
 
     def follow(progress: dict[str, Any]) -> None:
         tensorboard.update(progress)
+        if mlflow_log is not None:
+            mlflow_log.update(progress)
         if on_progress is not None:
             on_progress(progress)
 
@@ -60,12 +64,20 @@ def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | N
         except RunFailed as error:
             _write_result(run_dir, job, status="failed", error=str(error),
                           progress=ray.get(controller.progress.remote()))
+            if mlflow_log is not None:
+                mlflow_log.finish(_ended_as(error), model_path=None, result_path=run_dir / "result.json")
+            raise
+        except BaseException as error:  # e.g. a Tune trial stopped: no result.json
+            if mlflow_log is not None:
+                mlflow_log.finish(_ended_as(error), model_path=None, result_path=None)
             raise
         finally:
             ray.kill(controller)
             tensorboard.close()
     _write_result(run_dir, job, status="finished", result=result)
     torch.save(result.model_state, run_dir / "model.pt")
+    if mlflow_log is not None:
+        mlflow_log.finish("finished", model_path=run_dir / "model.pt", result_path=run_dir / "result.json")
     return result
 
 
@@ -89,7 +101,7 @@ def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBu
 def _follow(controller: Any, on_progress: ProgressCallback) -> RunResult:
     """Poll the Controller's progress until its run ends; Ctrl-C stops it at a step boundary."""
     done = controller.run.remote()
-    cursor = {"history_since": 0, "events_since": 0}
+    cursor = {"history_since": 0, "events_since": 0, "evaluations_since": 0}
     try:
         while True:
             finished, _ = ray.wait([done], timeout=0)
@@ -98,6 +110,7 @@ def _follow(controller: Any, on_progress: ProgressCallback) -> RunResult:
             progress = ray.get(controller.progress.remote(**cursor, wait_s=wait_s))
             cursor["history_since"] += len(progress["history"])
             cursor["events_since"] += len(progress["events"])
+            cursor["evaluations_since"] += len(progress["evaluations"])
             on_progress(progress)
             if finished:
                 return _unwrap(done)
@@ -124,19 +137,25 @@ def _unwrap(ref: Any) -> RunResult:
         raise
 
 
+def _ended_as(error: BaseException) -> RunEnd:
+    """A run stopped from outside (Ctrl-C, which _follow turns into RunFailed; a Tune stop) was killed."""
+    interrupted = isinstance(error.__context__, KeyboardInterrupt) or not isinstance(error, Exception)
+    return "killed" if interrupted else "failed"
+
+
 def _write_result(run_dir: Path, job: JobConfig, *, status: str, result: RunResult | None = None,
                   error: str | None = None, progress: dict[str, Any] | None = None) -> None:
     payload: dict[str, Any] = {"status": status, "name": job.name, "config": job.to_dict()}
     if result is not None:
         payload.update(final_step=result.final_step, metrics=result.metrics, checkpoint=result.checkpoint,
-                       history=result.history, events=result.events)
+                       history=result.history, eval_history=result.eval_history, events=result.events)
         if result.memory is not None:
             payload["memory"] = [{"rank": rank, **m} for rank, m in enumerate(result.memory)]
         if result.ledger is not None:
             payload["ledger"] = result.ledger
     else:
         payload.update(error=error, final_step=progress["step"], history=progress["history"],
-                       events=progress["events"])
+                       eval_history=progress["evaluations"], events=progress["events"])
     temporary = run_dir / f"result.json.{os.getpid()}.{time.time_ns()}"
     temporary.write_text(json.dumps(payload, indent=1, default=str))
     os.replace(temporary, run_dir / "result.json")

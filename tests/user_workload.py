@@ -55,3 +55,29 @@ class SlowDigits:
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         return self.digits.evaluate(model)
+
+
+class DropoutDigits:
+    """The digits MLP with dropout after each hidden layer: randomness in forward."""
+
+    def __init__(self, p: float = 0.3) -> None:
+        from workloads.digits import Digits
+
+        self.digits = Digits(hidden=64)
+        self.p = p
+
+    def build_model(self) -> torch.nn.Module:
+        from workloads.digits import NUM_CLASSES, NUM_FEATURES
+
+        return torch.nn.Sequential(torch.nn.Linear(NUM_FEATURES, 64), torch.nn.ReLU(), torch.nn.Dropout(self.p),
+                                   torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(self.p),
+                                   torch.nn.Linear(64, NUM_CLASSES))
+
+    def train_dataset(self) -> TensorDataset:
+        return self.digits.train_dataset()
+
+    def training_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.digits.training_step(model, batch)
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        return self.digits.evaluate(model)

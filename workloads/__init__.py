@@ -9,6 +9,7 @@ from workloads.protocol import REQUIRED_METHODS, Workload
 BUILTIN_WORKLOADS = {
     "digits": "workloads.digits:Digits",
     "chargpt": "workloads.chargpt:CharGPT",
+    "gpt": "workloads.gpt:TokenGPT",
 }
 
 

@@ -8,7 +8,8 @@ so every machine running the same Python build holds the same data. Try it::
 
 The model follows nanoGPT (https://github.com/karpathy/nanoGPT): token + position embeddings,
 pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, a final LayerNorm and an lm head
-tied to the token embedding; no dropout, so ``forward`` is deterministic.
+tied to the token embedding. CharGPT uses no dropout, so its ``forward`` is deterministic
+(``workloads.gpt.TokenGPT`` reuses the model with dropout and its own vocabulary).
 """
 
 from __future__ import annotations
@@ -45,44 +46,55 @@ def load_stdlib_corpus(num_chars: int) -> bytes:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
         super().__init__()
         self.n_head = n_head
+        self.dropout = dropout
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
+        self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, channels = x.shape
         q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2)
                    for t in self.qkv(x).split(channels, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, channels))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, channels)))
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
         self.ln_2 = nn.LayerNorm(n_embd)
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.mlp_dropout = nn.Dropout(dropout)  # outside ``mlp``, whose last module is the projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        return x + self.mlp_dropout(self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
-    """Byte-level GPT; ``forward(idx: int64[B, T])`` returns logits ``[B, T, 256]`` for T <= block_size."""
+    """GPT over ``vocab_size`` tokens (bytes by default); ``forward(idx: int64[B, T])`` returns logits
+    ``[B, T, vocab_size]`` for T <= block_size.
 
-    def __init__(self, *, n_layer: int, n_head: int, n_embd: int, block_size: int):
+    ``dropout`` (nanoGPT's places: embeddings, attention weights, both residual branches) is active only
+    in train mode; at the default 0.0 ``forward`` is deterministic and draws no random numbers.
+    """
+
+    def __init__(self, *, n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_size: int = VOCAB_SIZE,
+                 dropout: float = 0.0):
         super().__init__()
         self.block_size = block_size
-        self.wte = nn.Embedding(VOCAB_SIZE, n_embd)
+        self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, VOCAB_SIZE, bias=False)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
         self.apply(_init_weights)
         for block in self.blocks:  # GPT-2's scaled init of the projections into the residual stream
@@ -93,7 +105,7 @@ class GPT(nn.Module):
         time = idx.shape[1]
         if time > self.block_size:
             raise ValueError(f"sequence length {time} exceeds block_size {self.block_size}")
-        x = self.wte(idx) + self.wpe(torch.arange(time, device=idx.device))
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(time, device=idx.device)))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
