@@ -322,6 +322,8 @@ class Controller:
         """Evaluate, gather the full model and write the final checkpoint (collective on every member)."""
         actors = [m.actor for m in self.members]
         metrics = self._on_every_member([a.evaluate.remote() for a in actors])[0]
+        if self.job.eval.every_steps:  # the curve of eval rows ends with the final metrics
+            self.log.add_evaluation(self.step, time.time(), metrics)
         model_state = self._on_every_member([a.full_state_dict.remote() for a in actors])[0]
         memory = ray.get([a.memory.remote() for a in actors])
         path = self._on_every_member([a.save_checkpoint.remote() for a in actors])[0]

@@ -259,14 +259,14 @@ class TrainWorker:
             world_size=dist.get_world_size(), group=self.checkpoint_group)
         step = self.step
 
-        def record(done: Future) -> None:
+        def report(done: Future) -> None:
             if record and done.exception() is None and dist.get_rank() == 0:
                 with self._lock:
                     self._events.append({"type": "checkpointed", "step": step, "path": done.result(),
                                          "duration_s": round(time.perf_counter() - started, 4)})
                     self._announce()
 
-        future.add_done_callback(record)
+        future.add_done_callback(report)
         self._pending_save = future
         self._last_save = (step, future)
         return future

@@ -127,6 +127,8 @@ def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference
     assert all(e["steps_lost"] == 0 for e in result.events if e["type"] == "generation_formed")
     if strategy == "zero3":  # sharded state moves through a checkpoint the old group writes first
         assert sum(e.get("reason") == "membership change" for e in result.events) == 2
+    saved_steps = [e["step"] for e in result.events if e["type"] == "checkpointed"]
+    assert len(saved_steps) == len(set(saved_steps))  # one event per save
 
 
 def test_driver_killed_then_same_command_resumes_from_checkpoint(tmp_path, reference):
