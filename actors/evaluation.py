@@ -50,8 +50,11 @@ class Evaluator:
     def _distributed(self, model: torch.nn.Module) -> dict[str, float]:
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         total = len(self.dataset)
-        start, stop = rank_slice(total, rank, world_size) if total >= world_size else (0, total if rank == 0 else 0)
-        longest_share = math.ceil(total / world_size)
+        if total >= world_size:
+            start, stop = rank_slice(total, rank, world_size)
+            longest_share = math.ceil(total / world_size)
+        else:  # fewer samples than ranks: rank 0 takes them all
+            start, stop, longest_share = 0, total if rank == 0 else 0, total
         rounds = math.ceil(longest_share / self.batch_size)
         names: list[str] | None = None
         sums: torch.Tensor | None = None

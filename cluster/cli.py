@@ -17,7 +17,7 @@ import importlib
 import sys
 
 COMMAND_MODULES = ("cluster.train_command", "cluster.export_command", "cluster.status_command",
-                   "cluster.tokenize_command", "tuning.cli")
+                   "cluster.tokenize_command", "cluster.plot_command", "tuning.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
