@@ -2,8 +2,9 @@
 
 Everything here is a function of the committed step and the config, so a recovered or resumed run
 continues the same recipe: the lr of step k is recomputed, not restored. Warm-up is linear from
-``lr / warmup_steps``; after it ``linear`` and ``cosine`` decay reach ``min_lr`` at the last step
-(Loshchilov & Hutter 2017 for cosine, as nanoGPT and torchtitan schedule it).
+``lr / warmup_steps``; after it ``linear`` and ``cosine`` decay towards ``min_lr``, which they reach at
+step ``training.steps`` (the step after the last; Loshchilov & Hutter 2017 for cosine, as nanoGPT
+schedules it).
 
 Example::
 
