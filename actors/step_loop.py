@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from actors.batches import Collate, planned_batches, to_device
+from actors.batches import planned_batches, to_device
 from actors.data_order import GlobalSampleOrder, micro_batches, rank_slice
 from actors.recipe import clip_gradients, learning_rate, set_learning_rate
 from cluster.config import DataConfig, OptimConfig
@@ -81,12 +81,14 @@ class StepRunner:
     dataset: Dataset | None = None
     """Where ``run`` fetches a step's batches when it is given none (tests, benchmarks)."""
 
-    def batches(self, dataset: Dataset, first_step: int, until_step: int, *, collate: Collate | None = None,
-                data: DataConfig | None = None) -> Iterator[Any]:
-        """This rank's collated micro-batches of steps [first_step, until_step) in the current group, for ``run``."""
+    def batches(self, dataset: Dataset, first_step: int, until_step: int, data: DataConfig | None = None
+                ) -> Iterator[Any]:
+        """This rank's micro-batches of steps [first_step, until_step) in the current group, collated by the
+        workload's ``collate`` (if it has one), for ``run``."""
         return planned_batches(dataset, self.order, rank=dist.get_rank(), world_size=dist.get_world_size(),
                                first_step=first_step, until_step=until_step, micro_batch_size=self.micro_batch_size,
-                               collate=collate, data=data or DataConfig(), pin_memory=self.device.type == "cuda")
+                               collate=getattr(self.workload, "collate", None), data=data or DataConfig(),
+                               pin_memory=self.device.type == "cuda")
 
     def run(self, state: TrainState, step_index: int, batches: Iterator[Any] | None = None) -> StepResult:
         """Train on step ``step_index`` (0-based), its micro-batches taken from ``batches`` (this rank's,

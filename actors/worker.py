@@ -290,8 +290,7 @@ class TrainWorker:
     def _steps(self, until_step: int, faults: tuple[FaultConfig, ...], profiler: Any) -> None:
         compiling = self.spec.training.compile
         vote = StopVote(first_step=self.step, device=self.device)
-        batches = self.runner.batches(self.dataset, self.step, until_step, data=self.spec.data,
-                                      collate=getattr(self.workload, "collate", None))
+        batches = self.runner.batches(self.dataset, self.step, until_step, self.spec.data)
         eval_every = self.spec.eval.every_steps
         while self.step < until_step:
             for fault in faults:
