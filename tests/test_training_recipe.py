@@ -9,6 +9,7 @@ import pytest
 
 from actors.controller import RunFailed
 from actors.recipe import learning_rate
+from cluster.cli import main
 from cluster.job import train
 from tests.helpers import assert_states_close, job, load_model
 
@@ -58,6 +59,10 @@ def test_dropout_run_is_reproducible_and_a_redone_step_draws_the_same_masks(tmp_
     assert_states_close(load_model(tmp_path / "drop1"), load_model(tmp_path / "drop3"))
     assert [r["loss"] for r in first.history] == [r["loss"] for r in second.history]
     assert [r["loss"] for r in other_seed.history] != [r["loss"] for r in first.history]
+
+    assert main(["plot", str(tmp_path / "drop3")]) == 0  # the run's losses with its failure marked
+    assert (tmp_path / "drop3" / "losses.png").stat().st_size > 10_000
+    assert main(["plot", str(tmp_path / "no-such-run")]) == 2
 
 
 def test_dataloader_workers_keep_world_size_independence_and_periodic_evaluation(tmp_path):
