@@ -1,11 +1,17 @@
 """The torchrun peer of ``benchmarks/throughput.py``: plain DDP as a user would write it.
 
-Same workload class, model seed, global sample order, optimizer (AdamW) and loss scaling as a
-Raylastic step, but nothing else: no metrics all-reduce, no actor, no loop thread; rank 0 logs
-``loss.item()`` of its own slice and times every step. Run by throughput.py as::
+It reads the same job config as the Raylastic side (``--job``: ``JobConfig.to_dict()``-shaped JSON)
+and trains the same workload with the same recipe: model seed, global sample order and batch split,
+optimizer (the workload's ``configure_optimizer``, else AdamW), lr schedule, gradient clipping,
+precision (bf16: CPU autocast) and loss scaling, with the dropout RNG seeded per step as a Raylastic
+step seeds it (``actors.step_loop.step_seed``: ~3 us), so that both sides compute the same result.
+Nothing else: no metrics all-reduce, no actor, no loop thread; rank 0 logs ``loss.item()`` of its own
+slice and times every step. A ``TensorDataset`` is indexed in memory, one indexing per step; any other
+dataset (the gpt workload's memory-mapped ``TokenBlocks``) goes through a torch DataLoader with a batch
+sampler of this rank's slices. Run by throughput.py as::
 
     python -m torch.distributed.run --nproc-per-node 2 --master-port 29511 benchmarks/_torchrun_ddp.py \
-        --workload digits --steps 300 --global-batch-size 64 --out /tmp/peer.json
+        --job /tmp/job.json --out /tmp/peer.json
 """
 
 from __future__ import annotations
@@ -13,55 +19,124 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Sampler, TensorDataset, default_collate
 
 from actors.data_order import GlobalSampleOrder
+from actors.recipe import learning_rate
+from actors.step_loop import step_seed
+from cluster.config import JobConfig
+from cluster.loading import job_config_from_dict
 from workloads import load_workload
+
+
+class RankSlices(Sampler[list[int]]):
+    """This rank's share of every step's global batch, in step order (one batch per step)."""
+
+    def __init__(self, order: GlobalSampleOrder, rank: int, world_size: int, steps: int) -> None:
+        self.order, self.rank, self.world_size, self.steps = order, rank, world_size, steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.steps):
+            yield self.order.rank_indices(step, self.rank, self.world_size).tolist()
+
+    def __len__(self) -> int:
+        return self.steps
+
+
+def step_batches(workload: Any, job: JobConfig, order: GlobalSampleOrder, rank: int, world_size: int,
+                 steps: int) -> Iterator:
+    """This rank's batches of steps [0, steps): in-memory tensors indexed directly, other datasets by a DataLoader."""
+    dataset = workload.train_dataset()
+    if isinstance(dataset, TensorDataset):
+        inputs, targets = dataset.tensors
+        return ((inputs[i], targets[i]) for i in (order.rank_indices(s, rank, world_size) for s in range(steps)))
+    workers = job.data.num_workers
+    return iter(DataLoader(dataset, batch_sampler=RankSlices(order, rank, world_size, steps),
+                           collate_fn=getattr(workload, "collate", default_collate), num_workers=workers,
+                           prefetch_factor=job.data.prefetch_factor if workers else None))
+
+
+@dataclass
+class PlainDDP:
+    """The peer's model, optimizer and batches, and its training step (also timed by benchmarks/step_costs.py)."""
+
+    job: JobConfig
+    workload: Any
+    model: DistributedDataParallel
+    optimizer: torch.optim.Optimizer
+    batches: Iterator
+    position: int
+    """Where this rank's slice starts in the global batch: the dropout seed's position."""
+
+    @classmethod
+    def build(cls, job: JobConfig, steps: int) -> PlainDDP:
+        """On the current process group, from torch seed ``job.training.seed``; batches for ``steps`` steps."""
+        training = job.training
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(training.seed)
+        workload = load_workload(job.workload.name, job.workload.options)
+        model = workload.build_model()
+        if hasattr(workload, "configure_optimizer"):
+            optimizer = workload.configure_optimizer(model)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay)
+        order = GlobalSampleOrder(len(workload.train_dataset()), training.global_batch_size, training.seed)
+        return cls(job, workload, DistributedDataParallel(model, bucket_cap_mb=job.strategy.bucket_cap_mb),
+                   optimizer, step_batches(workload, job, order, rank, world_size, steps),
+                   rank * training.global_batch_size // world_size)
+
+    def step(self, step: int) -> tuple[torch.Tensor, int]:
+        """Train step ``step`` (0-based) on this rank's next batch; its summed loss and its sample count."""
+        training, optim = self.job.training, self.job.optim
+        inputs, targets = next(self.batches)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(step, optim, training.steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.default_generator.manual_seed(step_seed(training.seed, step, self.position))  # the same masks
+        with torch.autocast("cpu", dtype=torch.bfloat16) if training.precision == "bf16" else nullcontext():
+            loss = self.workload.training_step(self.model, (inputs, targets)).float() * len(inputs)  # summed
+        (loss * (dist.get_world_size() / training.global_batch_size)).backward()
+        if optim.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), optim.clip_grad_norm)
+        self.optimizer.step()
+        return loss, len(inputs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="digits")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--global-batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--job", required=True, help="the job config as JSON (JobConfig.to_dict() sections)")
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes (and <out>.pt: final parameters)")
     args = parser.parse_args()
+    job = job_config_from_dict(json.loads(Path(args.job).read_text()))
 
     torch.set_num_threads(1)  # torchrun already sets OMP_NUM_THREADS=1; Raylastic workers use 1 thread too
     dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)
-    workload = load_workload(args.workload)
-    model = DistributedDataParallel(workload.build_model(), bucket_cap_mb=args.bucket_cap_mb)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)  # as optim.weight_decay
-    inputs, targets = workload.train_dataset().tensors
-    order = GlobalSampleOrder(len(inputs), args.global_batch_size, args.seed)
-    scale = world_size / args.global_batch_size
+    rank = dist.get_rank()
+    peer = PlainDDP.build(job, job.training.steps)
 
     step_times, losses = [], []
-    started = time.perf_counter()
-    for step in range(args.steps):
-        indices = order.rank_indices(step, rank, world_size)
-        optimizer.zero_grad(set_to_none=True)
-        loss = workload.training_step(model, (inputs[indices], targets[indices])) * len(indices)  # summed
-        (loss * scale).backward()
-        optimizer.step()
+    started, started_unix_s = time.perf_counter(), time.time()
+    for step in range(job.training.steps):
+        loss, samples = peer.step(step)
         if rank == 0:
-            losses.append(loss.item() / len(indices))
+            losses.append(loss.item() / samples)
             step_times.append(time.perf_counter() - started)
 
     if rank == 0:
-        state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in peer.model.module.state_dict().items()}
         torch.save(state, args.out + ".pt")
         with open(args.out, "w") as f:
-            json.dump({"step_times_s": step_times, "rank0_losses": losses, "world_size": world_size,
-                       "torch_threads": torch.get_num_threads()}, f)
+            json.dump({"step_times_s": step_times, "started_unix_s": started_unix_s, "rank0_losses": losses,
+                       "world_size": dist.get_world_size(), "torch_threads": torch.get_num_threads()}, f)
     dist.barrier()  # rank 1 tearing its group down while rank 0 still writes can abort it (seen once)
     dist.destroy_process_group()
 

@@ -1,17 +1,24 @@
 """Steady-state samples/s of our 2-worker DDP job against the same job run by torchrun with plain DDP.
 
-Both sides train the same workload class from the same seed on the same global sample order and
-global batch (split evenly over 2 ranks), with AdamW(lr=1e-3), DDP on gloo (25 MiB buckets) and
-1 torch thread per rank. Rounds alternate ours / torchrun (the order flips every round), all our
-rounds share one local Ray instance, and steady state means: the first 20% of steps are warm-up,
+Both sides read one job config, so they train the same workload from the same seed on the same global
+sample order and global batch (split evenly over 2 ranks), with the same recipe, DDP on gloo (25 MiB
+buckets) and 1 torch thread per rank. digits (an MLP) and chargpt (a GPT without dropout) train on
+in-memory tensors with AdamW(lr=1e-3); gpt is the GPT recipe: workloads.gpt.TokenGPT with dropout
+over a memory-mapped token file (a slice of the stdlib's source, tokenized into the scratch
+directory), AdamW in two param groups (its configure_optimizer), warm-up + cosine lr, global-norm
+clipping at 1.0 and bf16 autocast (on this AVX512-BF16 CPU ~0.6x the fp32 step time), fetched by a
+torch DataLoader on both sides. Rounds alternate ours / torchrun (the order flips every round), all
+our rounds share one local Ray instance, and steady state means: the first 20% of steps are warm-up,
 throughput = samples of the remaining steps / the wall time between their step commits. One
 unmeasured run of each side comes first, so that what a machine does only once (a freshly started
 Ray's services settling, cold file caches) lands in neither side's figures. On a shared 2-core VM a
-single round's ratio swings by +-15%: the figures are medians over rounds. Run from the repository
-root (about 10 minutes on 2 cores)::
+single round's ratio swings by +-15%: the figures are medians over rounds. Every run also records
+the CPU seconds of its rank processes and of the rest of the benchmark's process tree (ours: the
+driver, the Controller and Ray's services; torchrun's: its launcher and the idle Ray). Run from the
+repository root (about 12 minutes on 2 cores)::
 
-    python benchmarks/throughput.py                                   # digits and chargpt, 6 rounds
-    python benchmarks/throughput.py --workload digits --rounds 10
+    python benchmarks/throughput.py --rounds 3                        # digits, chargpt and gpt
+    python benchmarks/throughput.py --workloads gpt digits --rounds 6
 
 Writes benchmarks/results/throughput.json and throughput.png. The peer is benchmarks/_torchrun_ddp.py.
 """
@@ -24,6 +31,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -40,17 +48,26 @@ import torch
 
 from cluster.connect import ray_session
 from cluster.job import train
-from cluster.loading import load_job_config
+from cluster.loading import job_config_from_dict
+from workloads.tokens import prepare_corpus, stdlib_corpus_files
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 PEER_SCRIPT = REPO_ROOT / "benchmarks" / "_torchrun_ddp.py"
 NUM_WORKERS = 2
 WARMUP_FRACTION = 0.2
-DEFAULT_STEPS = {"digits": 4000, "chargpt": 300}
-"""~10 s of steady state at ~2.5 ms and ~40 ms per torchrun step on one core per rank: shorter windows
+WORKLOADS = ("digits", "chargpt", "gpt")
+DEFAULT_STEPS = {"digits": 4000, "chargpt": 300, "gpt": 300}
+"""~10 s of steady state at ~2.5, ~40 and ~50 ms per torchrun step on one core per rank: shorter windows
 leave a run's figure to whatever the shared machine did in those few seconds."""
-GOAL_RATIO = 0.95
+GOAL_RATIO = 0.98
+PEER_EXIT_GRACE_S = 30.0
+GPT_CORPUS_FILES = 110
+"""The first 110 files of workloads.tokens.stdlib_corpus_files(): ~2 MB, ~1.8 M train tokens, tokenized in ~1 s."""
+GPT_MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64, "dropout": 0.1, "eval_blocks": 64}
+GPT_RECIPE = {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 30, "min_lr": 1e-4, "clip_grad_norm": 1.0}
+GPT_PRECISION = "bf16"
+"""bf16 autocast: 0.51-0.68x the fp32 step time of this model on this CPU (AVX512-BF16, no AMX)."""
 
 
 @dataclass(frozen=True)
@@ -63,47 +80,133 @@ class Measurement:
     """CPU seconds that processes outside this benchmark used during the run (Linux): a shared machine's noise."""
     max_param_diff: float = 0.0
     """Largest |ours - torchrun| over the final parameters (torchrun rows only): same work, same result."""
+    rank_cpu_ms_per_step: float | None = None
+    """Steady state: CPU ms per step of the 2 rank processes together (Linux)."""
+    support_cpu_ms_per_step: float | None = None
+    """Steady state: CPU ms per step of the rest of this benchmark's process tree (ours: driver, Controller,
+    Ray's services; torchrun's: its launcher and the idle Ray): on 2 cores that 2 ranks fill, theirs to lose."""
+    other_cpu_ms_per_step: float | None = None
+    """Steady state: CPU ms per step of the machine's other processes (a shared machine's noise)."""
 
 
-def steady_samples_per_s(commit_times_s: list[float], global_batch_size: int) -> float:
-    """Samples/s between the commit of the last warm-up step and the commit of the last step."""
-    first = max(1, int(len(commit_times_s) * WARMUP_FRACTION)) - 1
-    if len(commit_times_s) - 1 - first < 1:
-        raise ValueError(f"need more steps to measure a steady state, got {len(commit_times_s)}")
-    elapsed = commit_times_s[-1] - commit_times_s[first]
-    return (len(commit_times_s) - 1 - first) * global_batch_size / elapsed
+@dataclass(frozen=True)
+class SteadyState:
+    """The measured part of a run: from the commit of the last warm-up step to the commit of the last step."""
+
+    first_s: float
+    last_s: float
+    steps: int
+
+    @classmethod
+    def of(cls, commit_times_s: list[float]) -> SteadyState:
+        first = max(1, int(len(commit_times_s) * WARMUP_FRACTION)) - 1
+        if len(commit_times_s) - 1 - first < 1:
+            raise ValueError(f"need more steps to measure a steady state, got {len(commit_times_s)}")
+        return cls(commit_times_s[first], commit_times_s[-1], len(commit_times_s) - 1 - first)
+
+    def samples_per_s(self, global_batch_size: int) -> float:
+        return self.steps * global_batch_size / (self.last_s - self.first_s)
+
+    def window(self, origin: float | None) -> tuple[float, float] | None:
+        """The window as time.time() values, when the commit times count from time.time() ``origin``."""
+        return None if origin is None else (origin + self.first_s, origin + self.last_s)
 
 
-def run_ours(workload: str, steps: int, global_batch_size: int, run_dir: Path) -> Measurement:
-    job = load_job_config(None, [
-        f"name=throughput-{run_dir.name}", f"workload.name={workload}", f"training.steps={steps}",
-        f"training.global_batch_size={global_batch_size}", f"scaling.min_workers={NUM_WORKERS}",
-        f"scaling.max_workers={NUM_WORKERS}", "scaling.cpus_per_worker=1", "checkpoint.every_steps=0",
-        "checkpoint.resume=never"])
-    started, cpu = time.perf_counter(), _CpuMeter()
-    result = train(job, run_dir=run_dir)
+def job_sections(workload: str, steps: int, global_batch_size: int, scratch: Path) -> dict:
+    """The job config both sides run (ours as a JobConfig, torchrun's peer reads it as JSON)."""
+    sections = {"workload": {"name": workload},
+                "training": {"steps": steps, "global_batch_size": global_batch_size},
+                "scaling": {"min_workers": NUM_WORKERS, "max_workers": NUM_WORKERS, "cpus_per_worker": 1},
+                "checkpoint": {"every_steps": 0, "resume": "never"}}
+    if workload == "gpt":
+        sections["workload"]["options"] = {"data_dir": str(gpt_token_dir(scratch)), **GPT_MODEL}
+        sections["optim"] = dict(GPT_RECIPE)
+        sections["training"]["precision"] = GPT_PRECISION
+    job_config_from_dict(sections)  # a bad section fails here, before either side starts
+    return sections
+
+
+def gpt_token_dir(scratch: Path) -> Path:
+    """train.bin/val.bin/meta.json of the gpt case, made once per benchmark run."""
+    token_dir = scratch / "gpt-tokens"
+    if not (token_dir / "meta.json").is_file():
+        prepare_corpus(stdlib_corpus_files()[:GPT_CORPUS_FILES], token_dir)
+    return token_dir
+
+
+def run_ours(sections: dict, run_dir: Path) -> Measurement:
+    job = job_config_from_dict({**sections, "name": f"throughput-{run_dir.name}"})
+    origins: list[float] = []  # when the run log started: an event's arrival less its time_s (~ms late)
+
+    def follow(progress: dict) -> None:
+        origins.extend(time.time() - event["time_s"] for event in progress["events"])
+
+    started, cpu = time.perf_counter(), _CpuMeter(rank_marker="ray::TrainWorker")
+    result = train(job, run_dir=run_dir, on_progress=follow)
     wall_s = time.perf_counter() - started
+    steps = job.training.steps
     assert [row["step"] for row in result.history] == list(range(1, steps + 1)), "a step was redone or lost"
-    times = [row["time_s"] for row in result.history]  # each worker's wall clock at its step commit
-    return Measurement(round(steady_samples_per_s(times, global_batch_size), 1), round(wall_s, 2), cpu.other_cpu_s())
+    steady = SteadyState.of([row["time_s"] for row in result.history])  # rank 0's wall clock at each commit
+    return cpu.measurement(steady.samples_per_s(job.training.global_batch_size), wall_s,
+                           steady.window(min(origins, default=None)), steady.steps)
 
 
-def run_torchrun(workload: str, steps: int, global_batch_size: int, run_dir: Path) -> Measurement:
-    out = run_dir / "peer.json"
+def run_torchrun(sections: dict, run_dir: Path) -> Measurement:
+    out, job_file = run_dir / "peer.json", run_dir / "job.json"
+    job_file.write_text(json.dumps(sections))
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
                str(NUM_WORKERS), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               str(PEER_SCRIPT), "--workload", workload, "--steps", str(steps),
-               "--global-batch-size", str(global_batch_size), "--out", str(out)]
+               str(PEER_SCRIPT), "--job", str(job_file), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
                                                        if p)}
-    started, cpu = time.perf_counter(), _CpuMeter()
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    wall_s = time.perf_counter() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun peer failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    cpu = _CpuMeter(rank_marker=PEER_SCRIPT.name)
+    wall_s = _run_peer(command, env, out)
     report = json.loads(out.read_text())
-    samples_per_s = steady_samples_per_s(report["step_times_s"], global_batch_size)
-    return Measurement(round(samples_per_s, 1), round(wall_s, 2), cpu.other_cpu_s())
+    steady = SteadyState.of(report["step_times_s"])
+    return cpu.measurement(steady.samples_per_s(sections["training"]["global_batch_size"]), wall_s,
+                           steady.window(report["started_unix_s"]), steady.steps)
+
+
+def _run_peer(command: list[str], env: dict[str, str], out: Path) -> float:
+    """Run torchrun; its wall time. Once rank 0 has written ``out``, torchrun gets PEER_EXIT_GRACE_S to exit
+    and is then killed (with its ranks): a gloo teardown hung at exit once, its other rank gone."""
+    stderr_path = out.with_suffix(".stderr")
+    started, reported_at = time.perf_counter(), None
+    with open(stderr_path, "w") as stderr:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                                   start_new_session=True)
+        while process.poll() is None:
+            time.sleep(0.2)
+            if reported_at is None and out.exists():
+                reported_at = time.perf_counter()
+            elif reported_at is not None and time.perf_counter() - reported_at > PEER_EXIT_GRACE_S:
+                for pid in _descendants(process.pid):  # torchrun starts each rank in a session of its own
+                    os.kill(pid, signal.SIGKILL)
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                print(f"  warning: torchrun did not exit {PEER_EXIT_GRACE_S:.0f}s after its report; killed it "
+                      "(the report was complete; the run's wall time ends at the report)", flush=True)
+                return reported_at - started
+    if process.returncode != 0:
+        raise RuntimeError(f"torchrun peer failed ({process.returncode}):\n{stderr_path.read_text()[-3000:]}")
+    return time.perf_counter() - started
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc/stat").exists() else ():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else None
+        except (OSError, IndexError):
+            continue
+        if parent is not None:
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
 
 
 def max_param_diff(ours_dir: Path, peer_dir: Path) -> float:
@@ -112,36 +215,75 @@ def max_param_diff(ours_dir: Path, peer_dir: Path) -> float:
     return max((ours[k] - peer[k]).abs().max().item() for k in ours)
 
 
-class _CpuMeter:
-    """CPU seconds that processes outside this benchmark use meanwhile: the machine's busy CPU minus
-    that of this process and its descendants (Ray's too), sampled twice a second so that processes
-    ending meanwhile still count. Linux only (None elsewhere)."""
+@dataclass(frozen=True)
+class _CpuSample:
+    at: float
+    """time.time() of the sample."""
+    by_pid: dict[int, float]
+    """CPU seconds each process of the benchmark's tree used since the meter started (the sampler excluded)."""
+    busy_s: float
+    """The machine's busy CPU seconds since the meter started."""
 
-    def __init__(self) -> None:
+
+class _CpuMeter:
+    """CPU use during a run, sampled 4 times a second: of each process of this benchmark's tree (this
+    process and its descendants, Ray's too; processes ending meanwhile still count up to their last
+    sample) and of the machine. ``measurement`` splits a time window's CPU into the rank processes (a
+    command line holding ``rank_marker``, not torchrun's launcher), the rest of the tree ("support")
+    and the processes outside it. The sampler thread's own CPU is left out. Linux only (None elsewhere)."""
+
+    def __init__(self, rank_marker: str) -> None:
+        self._rank_marker = rank_marker
+        self._ranks: set[int] = set()
         self._first: dict[int, float] = {}
-        self._last: dict[int, float] = {}
-        self._busy_start = self._sample(first=True)
+        self._busy_first = 0.0
+        self._sampler_cpu_s = 0.0
+        self.samples: list[_CpuSample] = []
+        self._linux = Path("/proc/stat").exists()
+        self._sample(first=True)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
-    def _watch(self) -> None:
-        while not self._stop.wait(0.5):
-            self._sample()
-
-    def other_cpu_s(self) -> float | None:
+    def measurement(self, samples_per_s: float, wall_s: float, steady_window: tuple[float, float] | None,
+                    steady_steps: int) -> Measurement:
+        """The run's Measurement; CPU per step over ``steady_window`` (time.time() at its ends)."""
         self._stop.set()
         self._thread.join()
-        busy_end = self._sample()
-        if busy_end is None or self._busy_start is None:
-            return None
-        ours = sum(cpu - self._first.get(pid, 0.0) for pid, cpu in self._last.items())
-        return round(busy_end - self._busy_start - ours, 2)
+        self._sample()
+        per_step: dict[str, float | None] = {"rank": None, "support": None, "other": None}
+        if self._linux and steady_window is not None and len(self.samples) >= 2:
+            begin, end = (self._at(t) for t in steady_window)
+            for kind in per_step:
+                per_step[kind] = round(1000 * (end[kind] - begin[kind]) / steady_steps, 2)
+        whole = self._split(self.samples[-1]) if self._linux else None
+        return Measurement(round(samples_per_s, 1), round(wall_s, 2), round(whole["other"], 2) if whole else None,
+                           rank_cpu_ms_per_step=per_step["rank"], support_cpu_ms_per_step=per_step["support"],
+                           other_cpu_ms_per_step=per_step["other"])
 
-    def _sample(self, first: bool = False) -> float | None:
-        """Records utime + stime of every process in our tree; returns the machine's busy CPU seconds."""
-        if not Path("/proc/stat").exists():
-            return None
+    def _at(self, when: float) -> dict[str, float]:
+        """CPU seconds by kind at ``when``, interpolated between the samples around it."""
+        later = next((i for i, s in enumerate(self.samples) if s.at >= when), len(self.samples) - 1)
+        before, after = self.samples[max(0, later - 1)], self.samples[later]
+        share = 0.0 if after.at == before.at else min(1.0, max(0.0, (when - before.at) / (after.at - before.at)))
+        a, b = self._split(before), self._split(after)
+        return {kind: a[kind] + share * (b[kind] - a[kind]) for kind in a}
+
+    def _split(self, sample: _CpuSample) -> dict[str, float]:
+        rank = sum(cpu for pid, cpu in sample.by_pid.items() if pid in self._ranks)
+        tree = sum(sample.by_pid.values())
+        return {"rank": rank, "support": tree - rank, "other": sample.busy_s - tree}
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.25):
+            started = time.thread_time()
+            self._sample()
+            self._sampler_cpu_s += time.thread_time() - started
+
+    def _sample(self, first: bool = False) -> None:
+        """Records utime + stime of every process in our tree and the machine's busy CPU seconds."""
+        if not self._linux:
+            return
         tick = os.sysconf("SC_CLK_TCK")
         stats, children = {}, {}
         for entry in Path("/proc").iterdir():
@@ -152,16 +294,31 @@ class _CpuMeter:
             if fields:
                 stats[int(entry.name)] = fields
                 children.setdefault(int(fields[1]), []).append(int(entry.name))
-        todo = [os.getpid()]
+        previous = self.samples[-1].by_pid if self.samples else {}
+        by_pid, todo = dict(previous), [os.getpid()]
         while todo:
             pid = todo.pop()
             if pid in stats:
-                self._last[pid] = (int(stats[pid][11]) + int(stats[pid][12])) / tick
+                cpu = (int(stats[pid][11]) + int(stats[pid][12])) / tick
                 if first:
-                    self._first[pid] = self._last[pid]
+                    self._first[pid] = cpu
+                by_pid[pid] = cpu - self._first.get(pid, 0.0)
+                if pid not in self._ranks and self._is_rank(pid):
+                    self._ranks.add(pid)
             todo += children.get(pid, [])
+        by_pid[os.getpid()] = by_pid.get(os.getpid(), 0.0) - self._sampler_cpu_s  # not the sampler's own CPU
         user, nice, system = (int(v) for v in Path("/proc/stat").read_text().split()[1:4])
-        return (user + nice + system) / tick
+        busy = (user + nice + system) / tick
+        if first:
+            self._busy_first = busy
+        self.samples.append(_CpuSample(time.time(), by_pid, busy - self._busy_first))
+
+    def _is_rank(self, pid: int) -> bool:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return False
+        return self._rank_marker in command and "torch.distributed.run" not in command
 
 
 def _free_port() -> int:
@@ -171,23 +328,25 @@ def _free_port() -> int:
 
 
 def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, scratch: Path) -> dict:
+    sections = job_sections(workload, steps, global_batch_size, scratch)
     ours: list[Measurement] = []
     peer: list[Measurement] = []
     for side, run in (("ours", run_ours), ("torchrun", run_torchrun)):  # warm-up: not measured
         run_dir = scratch / f"{workload}-{side}-warmup"
         run_dir.mkdir(parents=True)
-        run(workload, steps, global_batch_size, run_dir)
+        run(sections, run_dir)
         print(f"  {workload} warm-up run of {side} done", flush=True)
     for round_index in range(rounds):
         ours_dir, peer_dir = scratch / f"{workload}-ours-{round_index}", scratch / f"{workload}-peer-{round_index}"
         peer_dir.mkdir(parents=True)
         sides = [("ours", run_ours, ours_dir), ("torchrun", run_torchrun, peer_dir)]
         for side, run, run_dir in sides if round_index % 2 == 0 else sides[::-1]:  # flip order against drift
-            measurement = run(workload, steps, global_batch_size, run_dir)
+            measurement = run(sections, run_dir)
             (ours if side == "ours" else peer).append(measurement)
             print(f"  {workload} round {round_index + 1}/{rounds} {side:9s} "
-                  f"{measurement.samples_per_s:9.0f} samples/s  (run {measurement.wall_s:.1f}s, "
-                  f"other processes used {measurement.other_cpu_s} CPU s)", flush=True)
+                  f"{measurement.samples_per_s:9.0f} samples/s  (run {measurement.wall_s:.1f}s; CPU ms/step: "
+                  f"ranks {measurement.rank_cpu_ms_per_step}, support {measurement.support_cpu_ms_per_step}, "
+                  f"other processes {measurement.other_cpu_ms_per_step})", flush=True)
         peer[-1] = dataclasses.replace(peer[-1], max_param_diff=max_param_diff(ours_dir, peer_dir))
     ours_median = statistics.median(m.samples_per_s for m in ours)
     peer_median = statistics.median(m.samples_per_s for m in peer)
@@ -195,13 +354,24 @@ def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, sc
     paired = statistics.median(round_ratios)
     return {"workload": workload, "steps": steps, "warmup_steps": max(1, int(steps * WARMUP_FRACTION)),
             "global_batch_size": global_batch_size, "num_workers": NUM_WORKERS,
+            "job": {k: v for k, v in sections.items() if k in ("workload", "training", "optim")},
             "ours": [asdict(m) for m in ours], "torchrun": [asdict(m) for m in peer],
             "ours_median_samples_per_s": round(ours_median, 1),
             "torchrun_median_samples_per_s": round(peer_median, 1),
             "ratio_ours_over_torchrun": round(ours_median / peer_median, 4),
             "paired_ratio_median": round(paired, 4), "paired_ratios": round_ratios,
             "rounds_ours_faster": sum(r >= 1 for r in round_ratios),
+            "median_cpu_ms_per_step": {side: _median_cpu(measurements)
+                                       for side, measurements in (("ours", ours), ("torchrun", peer))},
             "meets_goal": ours_median / peer_median >= GOAL_RATIO}
+
+
+def _median_cpu(measurements: list[Measurement]) -> dict[str, float | None]:
+    medians = {}
+    for kind in ("rank", "support", "other"):
+        values = [v for m in measurements if (v := getattr(m, f"{kind}_cpu_ms_per_step")) is not None]
+        medians[kind] = round(statistics.median(values), 2) if values else None
+    return medians
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -239,7 +409,8 @@ def _git_describe() -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=["digits", "chargpt", "both"], default="both")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), metavar="NAME",
+                        help=f"which of {', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"steps per run (default per workload: {DEFAULT_STEPS})")
     parser.add_argument("--rounds", type=int, default=6, help="alternating ours/torchrun rounds (after a warm-up)")
@@ -247,14 +418,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1 or (args.steps is not None and args.steps < 5) or args.global_batch_size < NUM_WORKERS:
         parser.error("need --rounds >= 1, --steps >= 5 and --global-batch-size >= 2")
-    workloads = ["digits", "chargpt"] if args.workload == "both" else [args.workload]
 
     os.chdir(REPO_ROOT)  # Ray workers import the workloads from the current directory
     results = []
     with tempfile.TemporaryDirectory(prefix="raylastic-throughput-") as scratch, ray_session(min_cpus=NUM_WORKERS):
-        for workload in workloads:
+        for workload in dict.fromkeys(args.workloads):
+            load_before = os.getloadavg()
             steps = args.steps or DEFAULT_STEPS[workload]
             results.append(benchmark(workload, steps, args.global_batch_size, args.rounds, Path(scratch)))
+            results[-1]["load_average_1_5_15_min"] = {"before": [round(v, 2) for v in load_before],
+                                                      "after": [round(v, 2) for v in os.getloadavg()]}
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -265,9 +438,14 @@ def main(argv: list[str] | None = None) -> None:
             "ours": "cluster.job.train, 2 workers x 1 CPU (1 torch thread), checkpoint only at the end; times "
                     "are the workers' step-commit wall clocks from RunResult.history; one Ray for all rounds "
                     "(its long polls: actors/watch.py LONG_POLL_S, cluster/job.py PROGRESS_WAIT_S)",
-            "torchrun": "benchmarks/_torchrun_ddp.py: DDP(gloo, 25 MiB buckets), same seed, GlobalSampleOrder, "
-                        "AdamW and loss scaling; no metrics all-reduce, rank 0 logs loss.item() of its slice; "
-                        "times are rank 0's perf_counter after each optimizer step; the idle Ray stays up",
+            "torchrun": "benchmarks/_torchrun_ddp.py, reading the same job config: DDP(gloo, 25 MiB buckets), "
+                        "same seed, GlobalSampleOrder, optimizer, lr schedule, clipping, precision, per-step dropout "
+                        "seed and loss scaling; TensorDatasets indexed in memory, gpt's TokenBlocks through a torch "
+                        "DataLoader; no metrics all-reduce, rank 0 logs loss.item() of its slice; times are rank "
+                        "0's perf_counter after each optimizer step; the idle Ray stays up",
+            "cpu_ms_per_step": "CPU of the rank processes, of the rest of the benchmark's process tree (support) "
+                               "and of the machine's other processes, over the steady-state window, per step; "
+                               "/proc sampled every 0.25 s and interpolated",
             "rounds": "one unmeasured warm-up run of each side, then rounds alternating, order flipped every "
                       "round; ratio: median ours / median torchrun; paired: the median over rounds of ours / "
                       "torchrun in the same round (less sensitive to a machine whose speed drifts between rounds)"},
