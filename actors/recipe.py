@@ -73,9 +73,14 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     with_grad = [p for p in parameters if p.grad is not None]
     if not with_grad:
         return 0.0
-    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
-    if isinstance(norm, DTensor):  # FSDP2's sharded gradients: the per-shard norms are reduced over ranks
-        norm = norm.full_tensor()
+    grads = [p.grad for p in with_grad]
+    if isinstance(grads[0], DTensor):  # FSDP2's sharded gradients: the per-shard norms are reduced over ranks
+        norm = torch.nn.utils.get_total_norm(grads).full_tensor()
+    elif len({(g.device, g.dtype) for g in grads}) == 1:  # get_total_norm without its grouping (~35 us a step)
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    else:
+        norm = torch.nn.utils.get_total_norm(grads)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm)
     return norm.item()
