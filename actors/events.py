@@ -4,6 +4,9 @@ Events are plain dicts ``{"type", "step", "time_s", ...}`` (time since the run s
 go into result.json as they are and the CLI shows them live. A step's history row is built from
 every rank's report of it: each rank trained part of the global batch, so the step's loss is the sum
 of their summed losses over the sum of their samples.
+
+The sample ledger (``training.record_samples``) is append-only: every time a generation commits a
+step it is recorded, so a step redone after a recovery, or applied twice, shows up as such.
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ class _RankReport:
 
 
 @dataclass
+class _Application:
+    """One commit of a step by one generation: the samples it consumed and the ranks that reported it."""
+
+    generation: int
+    samples: list[int]
+    ranks: set[int] = field(default_factory=set)
+
+
+@dataclass
 class _StepReports:
     """What the ranks of one generation reported of one step."""
 
@@ -45,7 +57,8 @@ class RunLog:
         self._events: list[dict[str, Any]] = []
         self._steps: dict[int, _StepReports] = {}
         self._history_order: list[int] = []
-        self._samples: dict[int, list[int]] = {}
+        self._applications: dict[int, list[_Application]] = {}
+        """By step, every commit of it in the order they came in (the ledger)."""
         self._evaluations: list[dict[str, Any]] = []
 
     def event(self, type_: str, step: int, **fields: Any) -> dict[str, Any]:
@@ -115,15 +128,37 @@ class RunLog:
         with self._lock:
             return list(self._evaluations[since:])
 
-    def add_samples(self, step: int, sample_ids: tuple[int, ...]) -> None:
-        """Ledger entry: the samples all ranks consumed in ``step`` (a redone step replaces its entry)."""
+    def add_samples(self, step: int, sample_ids: tuple[int, ...], *, generation: int, rank: int) -> None:
+        """``rank`` of ``generation`` committed ``step``, which consumed ``sample_ids`` on all ranks. Every
+        rank reports the same commit; a rank reporting a step again has applied it again."""
+        samples = list(sample_ids)
         with self._lock:
-            self._samples[step] = list(sample_ids)
+            applied = self._applications.setdefault(step, [])
+            same = (a for a in applied if (a.generation, a.samples) == (generation, samples) and rank not in a.ranks)
+            application = next(same, None)
+            if application is None:
+                application = _Application(generation, samples)
+                applied.append(application)
+            application.ranks.add(rank)
 
-    def ledger(self) -> dict[int, list[int]]:
-        """For each committed step, the samples consumed, in rank order."""
+    def ledger(self) -> dict[int, list[dict[str, Any]]]:
+        """Every application of every step, in the order they happened::
+
+            {step: [{"generation": g, "samples": [sample ids, in rank order], "kept": bool}, ...]}
+
+        ``kept``: the application is part of the final state's lineage. A generation formed from the
+        state at step s (handed over or restored from a checkpoint) discards every earlier generation's
+        applications of steps after s; those are redone, and only the redo is kept. A run that applied
+        each step exactly once has exactly one kept application per step.
+        """
         with self._lock:
-            return dict(sorted(self._samples.items()))
+            formed = [(e["generation"], e["step"]) for e in self._events if e["type"] == "generation_formed"]
+
+            def kept(step: int, application: _Application) -> bool:
+                return all(at >= step for generation, at in formed if generation > application.generation)
+
+            return {step: [{"generation": a.generation, "samples": a.samples, "kept": kept(step, a)} for a in applied]
+                    for step, applied in sorted(self._applications.items())}
 
     def events(self, since: int = 0) -> list[dict[str, Any]]:
         with self._lock:

@@ -57,7 +57,8 @@ class Raise:
 
 @dataclass(frozen=True, kw_only=True)
 class FailurePolicy:
-    """Survive up to ``max_failures`` worker failures per run, backing off exponentially if asked."""
+    """Survive up to ``max_failures`` failures per run (workers lost together count once), backing off
+    exponentially if asked."""
 
     max_failures: int
     backoff_s: float = 0.0
@@ -66,7 +67,7 @@ class FailurePolicy:
     def decide(self, failures_so_far: int) -> Recover | Raise:
         """``failures_so_far`` counts the failure being decided on."""
         if failures_so_far > self.max_failures:
-            return Raise(f"{failures_so_far} worker failures, more than failure.max_failures="
+            return Raise(f"{failures_so_far} failures, more than failure.max_failures="
                          f"{self.max_failures}")
         doublings = min(failures_so_far - 1, 32)
         delay = min(self.max_backoff_s, self.backoff_s * 2**doublings) if self.backoff_s else 0.0

@@ -11,15 +11,22 @@ steps) once its gradient communication has completed on this rank; a peer lost b
 the step, which is then discarded. A step makes no collective of its own besides the gradients' (and,
 under FSDP, the norm's): it reports this rank's summed loss and sample count, and the Controller sums
 them over the ranks; stopping at a common step boundary is actors/stop_vote.py's job.
+
+A step whose gradient norm is inf/NaN (training.on_nonfinite) is skipped, or fails the run, on every
+rank alike without a collective of its own: after the gradient reduction every strategy holds the same
+gradients on every rank, so the norm is the same everywhere, and a NaN loss on one rank makes it NaN.
+Under fp16 an inf/NaN gradient is the loss scaler's overflow signal instead: it skips the step and
+lowers the scale; only a non-finite loss then counts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -31,6 +38,10 @@ from actors.recipe import clip_gradients, learning_rate, set_learning_rate
 from cluster.config import DataConfig, OptimConfig
 from strategies.base import Strategy, TrainState
 from workloads.protocol import Workload
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm is inf/NaN and training.on_nonfinite is "fail" (an error of the job)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,8 @@ class StepResult:
     timed, unless strategy.comm_timing is set)."""
     exposed_comm_s: float | None = None
     skipped: bool = False
-    """fp16: the loss scaler found inf/nan gradients and skipped the optimizer step."""
+    """The optimizer did not step: the gradients were inf/NaN (training.on_nonfinite=skip, or fp16's
+    loss scaler found an overflow)."""
     lr: float = 0.0
     """The learning rate of the step (the first param group's)."""
     grad_norm: float = 0.0
@@ -78,6 +90,8 @@ class StepRunner:
     precision: str = "fp32"
     scaler: torch.amp.GradScaler | None = None
     """fp16 only: dynamic loss scaling (its state lives across steps and generations)."""
+    on_nonfinite: Literal["fail", "skip"] = "fail"
+    """training.on_nonfinite: what an inf/NaN step does (NonFiniteStep, or a skipped update)."""
     dataset: Dataset | None = None
     """Where ``run`` fetches a step's batches when it is given none (tests, benchmarks)."""
 
@@ -122,10 +136,16 @@ class StepRunner:
         if self.scaler is not None:
             self.scaler.unscale_(state.optimizer)  # the norm and the clipping see the true gradients
         grad_norm = clip_gradients(state.model.parameters(), self.optim.clip_grad_norm)
-        skipped = self._optimizer_step(state.optimizer)
+        loss_value = loss_sum.item()
+        self._check_finite(step_index + 1, loss_value, grad_norm, rank)
+        if math.isfinite(grad_norm) or self.scaler is not None:
+            skipped = self._optimizer_step(state.optimizer)
+        else:  # on_nonfinite=skip: no rank steps (all see this norm); the step still counts
+            state.optimizer.zero_grad(set_to_none=True)
+            skipped = True
         traffic = state.comm.state.take_traffic() if state.comm else None
         timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
-        return StepResult(step=step_index + 1, loss_sum=loss_sum.item(), samples=len(indices),
+        return StepResult(step=step_index + 1, loss_sum=loss_value, samples=len(indices),
                           duration_s=time.perf_counter() - started, finished_at=time.time(),
                           sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm,
                           bytes_sent=traffic.bytes_sent if traffic else 0,
@@ -137,6 +157,15 @@ class StepRunner:
         if self.precision == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+
+    def _check_finite(self, step: int, loss: float, grad_norm: float, rank: int) -> None:
+        """Raise NonFiniteStep (training.on_nonfinite=fail) for an inf/NaN loss on this rank, or an inf/NaN
+        gradient norm - unless fp16's scaler is there to skip that step as an overflow."""
+        overflow_is_handled = self.scaler is not None
+        if self.on_nonfinite == "skip" or (math.isfinite(loss) and (math.isfinite(grad_norm) or overflow_is_handled)):
+            return
+        raise NonFiniteStep(f"step {step}: the loss on rank {rank} is {loss} and the gradient norm is {grad_norm}; "
+                            "training.on_nonfinite=skip discards such steps instead of failing the run")
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step (through the loss scaler for fp16); True if the scaler skipped the step."""

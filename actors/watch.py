@@ -5,7 +5,12 @@ member until the generation ends, returning what ended it: the run finished, wor
 (died, hung, or raised), the user stopped it, or the membership should change at a step
 boundary. A poll answers at once on news (a phase change, an error, an event) and at least every
 LONG_POLL_S otherwise; a worker's death fails its poll at once; a worker that stops answering
-for ``failure.step_timeout_s`` counts as failed.
+for ``failure.step_timeout_s``, or whose step runs for ``failure.max_step_s``, counts as failed.
+
+Who is to blame: a worker whose collective lost its peer is a survivor. If no death explains the
+survivors' errors, the members still training - the ones their collectives timed out waiting for -
+are hung. An error of the job itself (a bug, a NaN, out of memory) ends the run: it would happen
+again on a replacement.
 """
 
 from __future__ import annotations
@@ -52,11 +57,18 @@ class WorkersFailed:
 
 
 @dataclass(frozen=True)
+class JobFailed:
+    """A worker raised an error of the job itself; ``errors`` holds each such worker's traceback."""
+
+    errors: list[tuple[Member, str]]
+
+
+@dataclass(frozen=True)
 class StoppedAtBoundary:
     """Every member stopped after the same step because a membership change was asked for."""
 
 
-WatchOutcome = Finished | Interrupted | WorkersFailed | StoppedAtBoundary
+WatchOutcome = Finished | Interrupted | WorkersFailed | JobFailed | StoppedAtBoundary
 
 
 @dataclass
@@ -64,6 +76,8 @@ class _MemberView:
     last_answer: float
     phase: str = "training"
     error: str | None = None
+    error_cause: str | None = None
+    step_running_s: float | None = None
     dead: str | None = None
     seen: int = -1
     """The version of the worker's news last heard (its long poll answers when there is newer)."""
@@ -116,6 +130,7 @@ class Watcher:
                     if self.views[member.name].phase not in DONE_PHASES:  # a done worker has nothing more to say
                         polls[member.name] = self._poll(member, wait_s)
             self._mark_stalled([m for m in members if m.name in polls], stall_timeout)
+            self._mark_hung_steps(members)
             self._fire_ray_kills(members)
             if not boundary_requested and time.monotonic() >= next_scaling_check:
                 next_scaling_check = time.monotonic() + SCALING_INTERVAL_S
@@ -125,11 +140,13 @@ class Watcher:
             failed = [(m, v.dead) for m in members if (v := self.views[m.name]).dead]
             if failed:
                 return WorkersFailed(failed)
-            errors = [(m, v.error) for m in members if (v := self.views[m.name]).error]
-            if errors:
+            job_errors = [(m, v.error) for m in members if (v := self.views[m.name]).error_cause == "job"]
+            if job_errors:
+                return JobFailed(job_errors)
+            if any(self.views[m.name].error for m in members):
                 first_error_at = first_error_at or time.monotonic()
                 if time.monotonic() - first_error_at > ERROR_GRACE_S:
-                    return WorkersFailed([(m, f"raised {e.splitlines()[0]}") for m, e in errors])
+                    return WorkersFailed(self._blamed_for_peer_errors(members))
             phases = {self.views[m.name].phase for m in members}
             if phases == {"finished"}:
                 return Finished()
@@ -156,12 +173,13 @@ class Watcher:
         try:
             status = ray.get(ref, timeout=0)
         except RayActorError as error:
-            view.dead = _death_reason(error)
+            view.dead = death_reason(error)
             return
         except GetTimeoutError:
             return
         view.last_answer, view.phase, view.error, view.seen = time.monotonic(), status.phase, status.error, \
             status.version
+        view.error_cause, view.step_running_s = status.error_cause, status.step_running_s
         self._record(status, rank)
 
     def _mark_stalled(self, members: list[Member], stall_timeout: float) -> None:
@@ -171,6 +189,22 @@ class Watcher:
             view = self.views[member.name]
             if not view.dead and now - view.last_answer > stall_timeout:
                 view.dead = f"no answer for {now - view.last_answer:.1f}s (failure.step_timeout_s={stall_timeout})"
+
+    def _blamed_for_peer_errors(self, members: list[Member]) -> list[tuple[Member, str]]:
+        """No death explains the survivors' collective errors: the members still training are hung (none: a
+        transient fault of the network, and the whole group re-forms)."""
+        timeout = self.controller.job.failure.collective_timeout_s
+        return [(m, f"hung: its peers' collectives gave up waiting for it (failure.collective_timeout_s={timeout})")
+                for m in members if self.views[m.name].phase == "training" and not self.views[m.name].error]
+
+    def _mark_hung_steps(self, members: list[Member]) -> None:
+        """A worker that answers but whose step has run for failure.max_step_s is hung (e.g. a deadlock in the
+        workload with no peer to time out)."""
+        limit = self.controller.job.failure.max_step_s
+        for member in members:
+            view = self.views[member.name]
+            if not view.dead and view.step_running_s is not None and view.step_running_s > limit:
+                view.dead = f"hung: its step has run {view.step_running_s:.0f}s (failure.max_step_s={limit})"
 
     def _record(self, status: Any, rank: int) -> None:
         controller, log = self.controller, self.controller.log
@@ -186,7 +220,7 @@ class Watcher:
                                **({"skipped": True} if result.skipped else {}))
             completed = row or completed
             if result.sample_ids is not None:
-                log.add_samples(result.step, result.sample_ids)
+                log.add_samples(result.step, result.sample_ids, generation=controller.generation, rank=rank)
             if result.step > controller.step:
                 controller.step = result.step
                 controller.on_step_committed(result.finished_at)
@@ -211,9 +245,9 @@ class Watcher:
         for rank, (member, ref) in enumerate(zip(members, refs, strict=True)):
             self._answer(member, rank, ref)
         found = [(m, v.dead) for m in members if (v := self.views[m.name]).dead]
-        return found or [(members[0], _death_reason(error))]
+        return found or [(members[0], death_reason(error))]
 
 
-def _death_reason(error: RayActorError) -> str:
+def death_reason(error: RayActorError) -> str:
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return f"actor died: {first_line[:200]}"

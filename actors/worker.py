@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from actors.data_order import GlobalSampleOrder
 from actors.evaluation import Evaluator
+from actors.failures import is_peer_loss
 from actors.faults import fire
 from actors.priority import run_at_normal_priority
 from actors.recipe import optimizer_factory
@@ -52,15 +53,26 @@ from cluster.config import (
     WorkloadConfig,
 )
 from strategies import build_strategy
-from strategies.base import GroupContext, TrainState, init_optimizer_state, memory_breakdown
-from strategies.checkpoint import Checkpointer, load_into
-from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group, leave_group
+from strategies.base import (
+    GroupContext,
+    TrainState,
+    init_optimizer_state,
+    load_scaler,
+    memory_breakdown,
+    scaler_entries,
+)
+from strategies.checkpoint import Checkpointer, CheckpointWriteError, load_into
+from strategies.process_group import GroupAssignment, abort_group, choose_backend, choose_device, join_group
 from strategies.state_transfer import broadcast_training_state
 from workloads import load_workload
 
 logger = logging.getLogger(__name__)
 
 Phase = Literal["idle", "training", "stopped", "finished", "failed", "awaiting_kill"]
+ErrorCause = Literal["peer_lost", "job"]
+"""Why a worker failed: a collective lost its peer (recovered), or the job itself raised (fatal)."""
+LOOP_EXIT_GRACE_S = 5.0
+"""Beyond the collective timeout: how long a leaving loop thread may take to give up on its peers."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +96,8 @@ class WorkerSpec:
 class JoinReport:
     node_id: str
     step: int
-    """Committed optimizer steps this worker holds (its candidate state for the hand-over)."""
+    """Committed optimizer steps this worker holds (its candidate state for the hand-over). A worker whose
+    state a hand-over left half-received has rebuilt it from the seed: 0."""
 
 
 @dataclass(frozen=True)
@@ -94,10 +107,14 @@ class WorkerStatus:
     results: list[StepResult] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     error: str | None = None
+    """The error and its full traceback (phase "failed")."""
+    error_cause: ErrorCause | None = None
     evaluations: list[dict] = field(default_factory=list)
     """Periodic evaluations since the last poll (rank 0 reports them): ``{"step", "time", metrics...}``."""
     version: int = 0
     """Counts the news (phase changes, events, errors) so far; pass it back as ``poll``'s ``seen``."""
+    step_running_s: float | None = None
+    """How long the step in flight has been running (None: none is), for the Controller's hang watchdog."""
 
 
 class TrainWorker:
@@ -119,7 +136,8 @@ class TrainWorker:
             order=GlobalSampleOrder(len(self.dataset), training.global_batch_size, training.seed),
             micro_batch_size=training.micro_batch_size, device=self.device, optim=spec.optim,
             total_steps=training.steps, seed=training.seed, record_samples=training.record_samples,
-            precision=training.precision, scaler=torch.amp.GradScaler("cuda") if training.precision == "fp16" else None)
+            precision=training.precision, scaler=torch.amp.GradScaler("cuda") if training.precision == "fp16" else None,
+            on_nonfinite=training.on_nonfinite)
         self.evaluator = Evaluator(self.workload, batch_size=spec.eval.batch_size, device=self.device,
                                    autocast=self.runner.autocast)
         self.state: TrainState | None = None
@@ -134,6 +152,10 @@ class TrainWorker:
         self._events: list[dict] = []
         self._evaluations: list[dict] = []
         self._error: str | None = None
+        self._error_cause: ErrorCause | None = None
+        self._step_started: float | None = None
+        self._state_intact = True
+        """False while (and after) a hand-over into this worker's state is incomplete."""
         self._stop_requested = threading.Event()
         self._thread: threading.Thread | None = None
         self._profiled = False
@@ -145,12 +167,19 @@ class TrainWorker:
     def join(self, assignment: GroupAssignment) -> JoinReport:
         """Leave the old group and join generation ``assignment.generation``. A replicated strategy
         keeps its model and optimizer; a sharded one builds them afresh for the new group."""
-        self._wait_for_loop()
+        if self._thread is not None:
+            self._thread.join(LOOP_EXIT_GRACE_S)  # a loop that stopped at a step boundary is ending anyway
+            if self._thread.is_alive():
+                abort_group()  # NCCL: the loop is stuck in the broken generation's collective; make it raise now
+        self._wait_for_loop(timeout_s=assignment.timeout_s + LOOP_EXIT_GRACE_S)
         self._wait_for_save()
         self._last_save = None
         with self._lock:  # step results the Controller did not take before the last generation ended
             self._results = []
-        previous = self.state.kept_across_groups() if self.strategy.replicated and self.state else None
+        keep = self.strategy.replicated and self.state is not None and self._state_intact
+        previous = self.state.kept_across_groups() if keep else None
+        if self.strategy.replicated and not self._state_intact:  # rebuilt from the seed below: a valid step-0 state
+            self.step, self._state_intact = 0, True
         self.state, self.checkpoint_group = None, None
         gc.collect()  # the old DDP's reducer, its autograd hooks and its hold on the old group must be gone
         join_group(assignment, self.backend)
@@ -170,9 +199,14 @@ class TrainWorker:
         return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.step)
 
     def sync_state(self, source_rank: int) -> int:
-        """Replicated strategies: receive (or send, on ``source_rank``) model, optimizer and step."""
+        """Replicated strategies: receive (or send, on ``source_rank``) model, optimizer and step. A receiver
+        whose source is lost midway holds a mix of two states: it is never a source, and rebuilds at its next join."""
+        receiving = dist.get_rank() != source_rank
+        if receiving:
+            self._state_intact = False
         self.step = broadcast_training_state(self.state.model, self.state.optimizer, self.step,
-                                             source_rank=source_rank, device=self.device)
+                                             source_rank=source_rank, device=self.device, scaler=self.runner.scaler)
+        self._state_intact = True
         return self.step
 
     def restore(self, path: str | None, step: int) -> int:
@@ -182,6 +216,7 @@ class TrainWorker:
             flat = self.strategy.state_dict(self.state)
             load_into(flat, path, group=self.checkpoint_group)
             self.strategy.load_state_dict(self.state, flat)
+            load_scaler(self.runner.scaler, path, group=self.checkpoint_group)
         self.step = step
         return self.step
 
@@ -190,7 +225,7 @@ class TrainWorker:
 
         ``faults`` are the injected faults aimed at this worker's rank in this generation.
         """
-        self._wait_for_loop()
+        self._wait_for_loop(timeout_s=0.0)
         self._set_phase("training")
         self._thread = threading.Thread(target=self._loop, args=(until_step, faults), name="step-loop",
                                         daemon=True)
@@ -209,12 +244,14 @@ class TrainWorker:
             results, self._results = self._results, []
             events, self._events = self._events, []
             evaluations, self._evaluations = self._evaluations, []
-            return WorkerStatus(self._phase, self.step, results, events, self._error, evaluations, self._version)
+            running = None if self._step_started is None else time.monotonic() - self._step_started
+            return WorkerStatus(self._phase, self.step, results, events, self._error, self._error_cause, evaluations,
+                                self._version, running)
 
-    def _set_phase(self, phase: Phase, error: str | None = None) -> None:
+    def _set_phase(self, phase: Phase, error: str | None = None, cause: ErrorCause | None = None) -> None:
         """Only "failed" carries an error; every other phase clears it."""
         with self._lock:
-            self._phase, self._error = phase, error
+            self._phase, self._error, self._error_cause = phase, error, cause
             self._announce()
 
     def _announce(self) -> None:
@@ -227,18 +264,20 @@ class TrainWorker:
         if self._last_save is not None and self._last_save[0] == self.step:
             try:
                 return self._last_save[1].result()
-            except Exception:  # noqa: BLE001 - that save failed: write it again
+            except BaseException:  # noqa: BLE001 - that save failed: write it again
                 pass
         self._wait_for_save()
         return self._start_save(record=False).result()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective for sharded strategies: the model's full state on CPU, as a plain state dict."""
+    def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
+        """Collective for sharded strategies: the model's full state on CPU, as a plain state dict. Every rank
+        takes part in gathering the shards; only one (``keep``) returns the copy, so the Controller receives one."""
         full = {}
         for name, tensor in self.state.model.state_dict().items():
             tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            full[name] = tensor.detach().cpu().clone()
-        return full
+            if keep:
+                full[name] = tensor.detach().cpu().clone()
+        return full if keep else None
 
     def evaluate(self) -> dict[str, float]:
         """Collective: the workload's ``evaluate`` and its distributed ``eval_step`` metrics."""
@@ -252,19 +291,29 @@ class TrainWorker:
         return self.workload.build_model().to(self.device)
 
     def _start_save(self, *, record: bool = True) -> Future:
-        """Start this step's save; with ``record``, rank 0 reports a "checkpointed" event when it completes."""
-        started = time.perf_counter()
-        future = self.spec.checkpointer.save(
-            self.step, self.strategy.state_dict(self.state), strategy=self.strategy.name,
-            world_size=dist.get_world_size(), group=self.checkpoint_group)
-        step = self.step
+        """Start this step's save; with ``record`` (a periodic save), rank 0 reports a "checkpointed" event when
+        it completes, or "checkpoint_failed" with the cause: the run carries on and the next save tries again."""
+        started, step, reporter = time.perf_counter(), self.step, record and dist.get_rank() == 0
+        try:
+            future = self.spec.checkpointer.save(
+                step, {**self.strategy.state_dict(self.state), **scaler_entries(self.runner.scaler)},
+                strategy=self.strategy.name,
+                world_size=dist.get_world_size(), group=self.checkpoint_group)
+        except CheckpointWriteError as error:  # every rank gets it: DCP gathers the ranks' write results
+            future = Future()
+            future.set_exception(error)
 
         def report(done: Future) -> None:
-            if record and done.exception() is None and dist.get_rank() == 0:
-                with self._lock:
-                    self._events.append({"type": "checkpointed", "step": step, "path": done.result(),
-                                         "duration_s": round(time.perf_counter() - started, 4)})
-                    self._announce()
+            if not reporter:
+                return
+            error = done.exception()
+            event = ({"type": "checkpointed", "step": step, "path": done.result(),
+                      "duration_s": round(time.perf_counter() - started, 4)} if error is None else
+                     {"type": "checkpoint_failed", "step": step, "path": self.spec.checkpointer.directory(step),
+                      "error": str(error)})
+            with self._lock:
+                self._events.append(event)
+                self._announce()
 
         future.add_done_callback(report)
         self._pending_save = future
@@ -276,7 +325,7 @@ class TrainWorker:
         if self._pending_save is not None:
             try:
                 self._pending_save.result()
-            except Exception:  # noqa: BLE001 - an incomplete checkpoint is never loaded
+            except BaseException:  # noqa: BLE001 - reported by its callback; an incomplete checkpoint is never loaded
                 pass
             self._pending_save = None
 
@@ -284,8 +333,11 @@ class TrainWorker:
         try:
             with self._profiler() as profiler:
                 self._steps(until_step, faults, profiler)
-        except Exception as error:  # noqa: BLE001 - any failure is reported to the Controller
-            self._set_phase("failed", f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}")
+        except BaseException as error:  # noqa: BLE001 - any failure is reported (DCP's errors are BaseExceptions)
+            cause = "peer_lost" if is_peer_loss(error) else "job"
+            self._set_phase("failed", f"{type(error).__name__}: {error}\n{traceback.format_exc()}", cause)
+        finally:
+            self._step_started = None
 
     def _steps(self, until_step: int, faults: tuple[FaultConfig, ...], profiler: Any) -> None:
         compiling = self.spec.training.compile
@@ -303,7 +355,9 @@ class TrainWorker:
             voting = vote.due(step_index)
             if voting:
                 vote.open(step_index, stop=self._stop_requested.is_set())
+            self._step_started = time.monotonic()
             result = self.runner.run(self.state, step_index, batches)
+            self._step_started = None
             with self._lock:
                 self.step = result.step
                 self._results.append(result)
@@ -344,16 +398,18 @@ class TrainWorker:
         return torch.profiler.profile(schedule=schedule,
                                       on_trace_ready=torch.profiler.tensorboard_trace_handler(self.spec.profile_dir))
 
-    def _wait_for_loop(self) -> None:
+    def _wait_for_loop(self, timeout_s: float) -> None:
+        """Let the loop thread end; one still running after ``timeout_s`` is hung (in user code, or in a
+        collective its peers left), and this worker cannot join another group beside it."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TrainingThreadHung(f"the training thread is still running {timeout_s:.0f}s after it was "
+                                         f"asked to end (phase {self._phase}, step {self.step})")
             self._thread = None
 
-    def shutdown(self) -> None:
-        self._stop_requested.set()
-        self._wait_for_loop()
-        self._wait_for_save()
-        leave_group()
+class TrainingThreadHung(RuntimeError):
+    """The step-loop thread did not end when asked: the Controller replaces this worker."""
 
 
 TrainWorkerActor = ray.remote(TrainWorker)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMAND_MODULES = ("cluster.train_command", "cluster.export_command", "cluster.status_command",
@@ -29,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A user's workload ("my_module:MyWorkload") is imported from where the command runs, as with
+    # `python -m cluster`; the `raylastic` script's sys.path[0] is its own bin directory instead.
+    # (The workers get the same directory on their PYTHONPATH: cluster/connect.py.)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 OPTIMIZERS = ("adamw", "sgd")
@@ -24,6 +24,8 @@ SCHEDULES = ("constant", "linear", "cosine")
 FAULT_ACTIONS = ("kill", "ray_kill", "stall", "raise", "remove_node")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk", "onebit", "int8")
 PRECISIONS = ("fp32", "bf16", "fp16")
+A_DAY_S = 86_400.0
+"""Upper bound of every timeout: a longer one is a typo (or a unit mix-up), and a run would hang for it."""
 
 
 def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None:
@@ -41,6 +43,11 @@ def _non_negative_int(value: Any) -> bool:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require_seconds(value: Any, field_name: str, low: float) -> None:
+    _require(_number(value) and low <= value <= A_DAY_S, field_name,
+             f"a number of seconds in [{low:g}, {A_DAY_S:g}] (a day)", value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,13 +75,17 @@ class TrainingConfig:
     seed: int = 0
     """Seeds the model's initialisation and the per-epoch sample permutation."""
     record_samples: bool = False
-    """Record which samples every rank consumed in each committed step: result.json's "ledger"."""
+    """Record which samples every step consumed, each time a generation committed it: result.json's "ledger",
+    ``{step: [{"generation", "samples", "kept"}, ...]}`` (kept: part of the final state; see RunLog.ledger)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """bf16: autocast on CPU and GPU; fp16: autocast with dynamic loss scaling, GPU only."""
     compile: bool = False
     """torch.compile the model (kernel fusion); the first step then includes the compile time."""
     profile_steps: int = 0
     """Trace this many steps (from step 3) with the torch profiler on rank 0, for TensorBoard."""
+    on_nonfinite: Literal["fail", "skip"] = "fail"
+    """A step whose loss or gradient norm is inf/NaN: "fail" ends the run with an error naming the step;
+    "skip" discards the step's update on every rank (the step still counts) and marks its row skipped."""
 
     def __post_init__(self) -> None:
         _require(_positive_int(self.steps), "training.steps", "a positive integer", self.steps)
@@ -91,6 +102,8 @@ class TrainingConfig:
         _require(isinstance(self.compile, bool), "training.compile", "true or false", self.compile)
         _require(_non_negative_int(self.profile_steps), "training.profile_steps", "a non-negative integer",
                  self.profile_steps)
+        _require(self.on_nonfinite in ("fail", "skip"), "training.on_nonfinite", "one of fail, skip",
+                 self.on_nonfinite)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,10 +204,13 @@ class StrategyConfig:
     """PowerSGD's approximation rank."""
     powersgd_start_iter: int = 10
     """Uncompressed iterations before PowerSGD starts, per generation (>= 2)."""
-    topk_fraction: float = 0.01
-    """Fraction of each bucket's entries top-k sends, in (0, 1]."""
+    topk_fraction: float = 0.05
+    """Fraction of each bucket's entries top-k sends, in (0, 1]. 5% (10x fewer bytes) trains digits to
+    within a point of uncompressed accuracy in 600 AdamW steps; 1% (50x) lagged ~3 points
+    (tests/test_communication.py)."""
     onebit_warmup_steps: int = 50
-    """Full-precision steps before 1-bit compression starts."""
+    """Full-precision steps before 1-bit compression starts (within a point of uncompressed accuracy on
+    digits after 600 steps, tests/test_communication.py)."""
     hierarchical: bool = False
     """ddp: reduce inside each node, all-reduce among one leader per node, broadcast back (node
     membership from Ray's node ids, re-derived at every generation). Not combinable with compression."""
@@ -241,9 +257,12 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0
     """Ray CPUs reserved per worker (fractions allowed); torch uses max(1, floor) threads."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
-    """Further Ray resources each worker reserves, e.g. {"worker_slot": 1} or {"accelerator_type:A100": 0.01}."""
+    """Further Ray resources each worker reserves, e.g. {"worker_slot": 1} or {"accelerator_type:A100": 0.01}.
+    Not CPU or GPU: those are cpus_per_worker and use_gpu (Ray takes them apart from custom resources)."""
     placement_timeout_s: float = 120.0
-    """How long to wait for min_workers to be placed, at the start and after failures, before failing."""
+    """How long to wait for min_workers to be placed, at the start and after failures, before failing; in
+    [10 s, a day]. Waiting after a failure includes starting the replacement (a process importing torch
+    and building the model: seconds), so a shorter wait would fail recoveries that had the resources."""
 
     def __post_init__(self) -> None:
         _require(_positive_int(self.min_workers), "scaling.min_workers", "a positive integer",
@@ -260,32 +279,46 @@ class ScalingConfig:
             isinstance(k, str) and _number(v) and v > 0 for k, v in self.resources_per_worker.items()),
             "scaling.resources_per_worker", "a mapping of resource name to a positive amount",
             self.resources_per_worker)
-        _require(_number(self.placement_timeout_s) and self.placement_timeout_s > 0,
-                 "scaling.placement_timeout_s", "a positive number of seconds", self.placement_timeout_s)
+        for name, instead in (("CPU", "scaling.cpus_per_worker"), ("GPU", "scaling.use_gpu")):
+            if name in self.resources_per_worker:
+                raise ValueError(f"scaling.resources_per_worker cannot reserve {name}: use {instead} instead, got "
+                                 f"{self.resources_per_worker!r}")
+        _require_seconds(self.placement_timeout_s, "scaling.placement_timeout_s", low=10)
 
 
 @dataclass(frozen=True, kw_only=True)
 class FailureConfig:
     max_failures: int = 3
-    """Worker failures the run survives; one more ends it with an error (0: fail on the first)."""
+    """Failures the run survives; one more ends it with an error (0: fail on the first). Workers lost
+    together (a node with several, heard within one generation) count as one failure."""
     collective_timeout_s: float = 30.0
-    """Timeout of collective operations, so a silent peer cannot block a group for long."""
+    """Timeout of collective operations, so a silent peer cannot block a group for long; in [1 s, a day].
+    Forming a group and its first collectives take ~0.35 s on an idle machine: below a second a busy one
+    would time out healthy groups."""
     step_timeout_s: float = 10.0
-    """A worker that does not answer the Controller for this long is taken as hung and replaced."""
+    """A worker that does not answer the Controller for this long is taken as hung and replaced; in [1 s, a
+    day]. Polls go out every min(1 s, step_timeout_s / 4): below a second, Ray's latency on a busy machine
+    would make healthy workers look hung."""
+    max_step_s: float = 600.0
+    """A worker whose step runs this long is taken as hung and replaced (a rank that lags its peers is
+    caught sooner, when their collectives time out); raise it for steps that legitimately take longer. In
+    [1 s, a day], as the other timeouts."""
 
     def __post_init__(self) -> None:
         _require(_non_negative_int(self.max_failures), "failure.max_failures",
                  "a non-negative integer", self.max_failures)
-        _require(_number(self.collective_timeout_s) and self.collective_timeout_s > 0,
-                 "failure.collective_timeout_s", "a positive number of seconds", self.collective_timeout_s)
-        _require(_number(self.step_timeout_s) and self.step_timeout_s > 0,
-                 "failure.step_timeout_s", "a positive number of seconds", self.step_timeout_s)
+        _require_seconds(self.collective_timeout_s, "failure.collective_timeout_s", low=1)
+        _require_seconds(self.step_timeout_s, "failure.step_timeout_s", low=1)
+        _require_seconds(self.max_step_s, "failure.max_step_s", low=1)
 
 
 @dataclass(frozen=True, kw_only=True)
 class FaultConfig:
-    """A fault to inject, for tests and demos: ``{action: kill, rank: 1, step: 30}``."""
+    """A fault to inject, for tests and demos: ``{action: kill, rank: 1, step: 30}``; every field is required."""
 
+    ALLOWED: ClassVar[dict[str, str]] = {"action": f"one of {', '.join(FAULT_ACTIONS)}",
+                                         "rank": "a non-negative integer", "step": "a positive integer"}
+    """What each field takes, for the error that names a wrong or missing one."""
     action: Literal["kill", "ray_kill", "stall", "raise", "remove_node"]
     """kill: the worker SIGKILLs itself; ray_kill: the Controller ray.kill()s it; stall: it SIGSTOPs
     itself (a hung worker); raise: its step raises; remove_node: its node's raylet is killed (the
@@ -296,11 +329,9 @@ class FaultConfig:
     """The fault hits while this step (1-based) is in flight; it fires once per run."""
 
     def __post_init__(self) -> None:
-        _require(self.action in FAULT_ACTIONS, "faults[].action", f"one of {', '.join(FAULT_ACTIONS)}",
-                 self.action)
-        _require(_non_negative_int(self.rank), "faults[].rank", "a non-negative integer",
-                 self.rank)
-        _require(_positive_int(self.step), "faults[].step", "a positive integer", self.step)
+        _require(self.action in FAULT_ACTIONS, "faults[].action", self.ALLOWED["action"], self.action)
+        _require(_non_negative_int(self.rank), "faults[].rank", self.ALLOWED["rank"], self.rank)
+        _require(_positive_int(self.step), "faults[].step", self.ALLOWED["step"], self.step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -358,6 +389,11 @@ class JobConfig:
             raise ValueError(f"training.global_batch_size ({batch}) cannot be split across "
                              f"scaling.max_workers ({self.scaling.max_workers}): every worker needs at "
                              "least one sample per step")
+        for index, fault in enumerate(self.faults):  # a fault that can never fire would be ignored silently
+            _require(fault.rank < self.scaling.max_workers, f"faults[{index}].rank",
+                     f"below scaling.max_workers ({self.scaling.max_workers})", fault.rank)
+            _require(fault.step <= self.training.steps, f"faults[{index}].step",
+                     f"at most training.steps ({self.training.steps})", fault.step)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

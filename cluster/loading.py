@@ -75,6 +75,12 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ValueError(f"unknown key {prefix}{unknown[0]}; allowed in {where}: {', '.join(fields)}")
+    required = [name for name, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in raw]
+    if missing:  # a class with required fields says what each takes (FaultConfig.ALLOWED)
+        named = ", ".join(f"{prefix}{name} ({cls.ALLOWED[name]})" for name in missing)
+        raise ValueError(f"missing {named}; {where} needs {', '.join(required)}")
     kwargs = {}
     for name, value in raw.items():
         hint = hints[name]

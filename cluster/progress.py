@@ -9,7 +9,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 EVENT_STYLES = {"worker_failed": "bold red", "recovered": "bold green", "generation_formed": "cyan",
-                "checkpointed": "dim", "resumed": "yellow", "finished": "bold"}
+                "checkpointed": "dim", "checkpoint_failed": "bold yellow", "resumed": "yellow", "finished": "bold"}
+LONG_FIELDS = ("type", "step", "time_s", "traceback")
+"""Not shown in an event's line (a worker's traceback is printed once, with the run's error)."""
 
 
 class ProgressDisplay:
@@ -54,7 +56,7 @@ class ProgressDisplay:
 
 
 def format_event(event: dict[str, Any]) -> str:
-    details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "step", "time_s"))
+    details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in LONG_FIELDS)
     return f"[{event['time_s']:7.2f}s] step {event['step']}: {event['type']}" + (f" ({details})" if details else "")
 
 

@@ -6,6 +6,8 @@ that state to and from one canonical, flat state dict:
 
     "model.<fqn>"                 parameters and buffers
     "optim.state.<fqn>.<name>"    optimizer state per parameter (Adam's exp_avg, step, ...)
+    "scaler.scale"                fp16 only: the loss scaler's scale and growth tracker, saved
+    "scaler.growth_tracker"       beside the strategy's entries (``scaler_entries``)
 
 Sharded tensors are DTensors sharded on dim 0 over all ranks, replicated ones plain tensors;
 both describe the same logical tensor, so torch.distributed.checkpoint can save with one
@@ -20,7 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from strategies.checkpoint import load_into
 
 ModelFactory = Callable[[], torch.nn.Module]
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -143,3 +148,30 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     # Adam's step counter is now 1; a checkpoint load overwrites it, an in-memory hand-over too.
+
+
+def scaler_entries(scaler: torch.amp.GradScaler | None) -> dict[str, torch.Tensor]:
+    """fp16's loss-scaler state as canonical entries (none without a scaler), to save beside
+    ``Strategy.state_dict``. They are copies: ``load_scaler`` puts a checkpoint's back.
+
+    Example::
+
+        checkpointer.save(step, {**strategy.state_dict(state), **scaler_entries(scaler)}, ...)
+    """
+    if scaler is None:
+        return {}
+    saved = scaler.state_dict()
+    return {"scaler.scale": torch.tensor(saved["scale"], dtype=torch.float64),
+            "scaler.growth_tracker": torch.tensor(saved["_growth_tracker"], dtype=torch.int64)}
+
+
+def load_scaler(scaler: torch.amp.GradScaler | None, directory: str, group: dist.ProcessGroup | None = None
+                ) -> None:
+    """Collective: the loss scaler's state from checkpoint ``directory``. A checkpoint without it (saved
+    at another precision, or before scalers were saved) leaves the scaler as it is."""
+    if scaler is None:
+        return
+    entries = scaler_entries(scaler)
+    load_into(entries, directory, group, partial=True)
+    scaler.load_state_dict({**scaler.state_dict(), "scale": entries["scaler.scale"].item(),
+                            "_growth_tracker": int(entries["scaler.growth_tracker"].item())})

@@ -2,13 +2,16 @@
 
 Layout: ``<root>/step_00000120/`` holds DCP's files (one or more per rank, written in parallel,
 and DCP's ``.metadata``) and ``manifest.json``, written last by rank 0 once every rank's shard
-is on storage: temp file, fsync, rename. A directory without a valid manifest, or whose files
-do not match the manifest's sizes and SHA-256 checksums, is never loaded: the loader falls
-back to the previous complete checkpoint. The state dict is the strategies' canonical layout
-(strategies/base.py), so a checkpoint saved by any strategy at any world size loads into any
-other. DCP stores tensors; its small pickled ``.metadata`` is read with an unpickler that allows
-only DCP's own metadata classes, so loading a checkpoint cannot run arbitrary code. ``root`` is a
-local or shared path, or an fsspec URL (``s3://bucket/run``, ``memory://`` ...).
+is on storage: temp file, fsync, rename. Each rank checksums the files it wrote itself, so the
+manifest lists every rank's files even where each node writes to a disk of its own. A directory
+without a valid manifest, or whose files do not match the manifest's sizes and SHA-256 checksums,
+is never loaded: the loader falls back to the previous complete checkpoint. A complete checkpoint is
+deleted only by pruning, once a newer one (a higher step, written later) is complete. The state dict
+is the strategies' canonical layout (strategies/base.py), so a checkpoint saved by any strategy at
+any world size loads into any other. Checkpoints hold tensors only; DCP's small pickled
+``.metadata`` is read with an unpickler that allows only DCP's own metadata classes, so loading a
+checkpoint cannot run arbitrary code. ``root`` is a local or shared path, or an fsspec URL
+(``s3://bucket/run``, ``memory://`` ...).
 
 Example (every rank calls, in the same order)::
 
@@ -20,27 +23,35 @@ Example (every rank calls, in the same order)::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import pickle
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 MANIFEST_NAME = "manifest.json"
+METADATA_NAME = ".metadata"
+"""DCP's index of the checkpoint: which file holds which shard; written by rank 0."""
 FORMAT = "dcp-v1"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +82,22 @@ class Rejected:
     reason: str
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written: "could not write checkpoint <directory>: <cause>"."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint could not be loaded: "could not load checkpoint <directory>: <cause>"."""
+
+
+@dataclass(frozen=True)
+class _Preparation:
+    """Rank 0's word to every rank before a save: write it, it is saved already, or it cannot be written."""
+
+    action: Literal["write", "saved", "failed"]
+    reason: str = ""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Checkpointer:
     """Where and how often the group saves, and how many complete checkpoints it keeps."""
@@ -90,52 +117,93 @@ class Checkpointer:
 
     def save(self, step: int, state_dict: dict[str, Any], *, strategy: str, world_size: int,
              group: dist.ProcessGroup | None = None) -> Future:
-        """Collective: every rank writes its shard of ``state_dict``; rank 0 then writes the manifest and
-        prunes. Returns a future that is done when the checkpoint is complete (at once unless async)."""
+        """Collective: every rank writes its shard of ``state_dict`` and checksums the files it wrote; rank 0
+        writes the manifest from every rank's list, then prunes. Returns a future that is done with the
+        checkpoint's directory when the checkpoint is complete (at once unless async). A failure raises
+        CheckpointWriteError here, or resolves the future with it, on every rank it reaches.
+
+        Start the next save on ``group`` only after this one's future is done: completing it uses ``group``.
+        """
+        _require_tensors(state_dict)
         directory = self.directory(step)
-        if dist.get_rank() == 0:
-            fs, path = _filesystem(directory)
-            if fs.exists(path):  # an incomplete earlier attempt at this step
-                fs.rm(path, recursive=True)
-            fs.makedirs(path, exist_ok=True)
-        dist.barrier(group=group)
+        prepared = [self._prepare(directory) if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(prepared, group=group, group_src=0)  # nobody writes before rank 0 has prepared
+        if prepared[0].action == "failed":
+            raise _write_error(directory, prepared[0].reason)
+        if prepared[0].action == "saved":
+            return _resolved(directory)
         manifest = CheckpointManifest(step=step, world_size=world_size, strategy=strategy,
                                       samples_consumed=step * self.global_batch_size,
                                       config_hash=self.config_hash, versions=_versions())
-        if not self.async_save:
-            dcp.save(state_dict, storage_writer=_writer(directory), process_group=group)
-            return self._completed(directory, manifest)
-        staged = dcp.async_save(state_dict, storage_writer=_writer(directory), process_group=group)
+        with _as_write_error(directory):
+            if not self.async_save:
+                written = dcp.save(state_dict, storage_writer=_writer(directory), process_group=group)
+                return _resolved(self._complete(directory, manifest, written, group))
+            staged = dcp.async_save(state_dict, storage_writer=_writer(directory), process_group=group)
         done: Future = Future()
 
         def finish(result: Future) -> None:
             try:
-                result.result()
-                done.set_result(self._completed(directory, manifest).result())
-            except Exception as error:  # noqa: BLE001 - reported through the future
+                with _as_write_error(directory):
+                    done.set_result(self._complete(directory, manifest, result.result(), group))
+            except BaseException as error:  # noqa: BLE001 - in DCP's thread: only the future can report it
                 done.set_exception(error)
 
         staged.add_done_callback(finish)
         return done
 
-    def _completed(self, directory: str, manifest: CheckpointManifest) -> Future:
-        finished: Future = Future()
-        if dist.get_rank() == 0:
-            write_manifest(directory, manifest)
-            prune_checkpoints(self.root, self.num_to_keep)
-        finished.set_result(directory)
-        return finished
+    def _prepare(self, directory: str) -> _Preparation:
+        """Rank 0: an empty directory to write into. An intact checkpoint of this job already there (a
+        finished run run again) is kept as this save, never deleted to be written again."""
+        try:
+            fs, path = _filesystem(directory)
+            if fs.exists(path):
+                existing = read_manifest(directory)
+                if existing is not None and verify(directory, existing) is None:
+                    if existing.config_hash == self.config_hash:
+                        return _Preparation("saved")
+                    return _Preparation("failed", f"it holds a complete checkpoint of another job (config hash "
+                                                  f"{existing.config_hash}, this job's is {self.config_hash})")
+                fs.rm(path, recursive=True)  # an incomplete or damaged earlier attempt at this step
+            fs.makedirs(path, exist_ok=True)
+        except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others would wait
+            return _Preparation("failed", _cause(error))
+        return _Preparation("write")
+
+    def _complete(self, directory: str, manifest: CheckpointManifest, written: Metadata,
+                  group: dist.ProcessGroup | None) -> str:
+        """Collective: every rank checksums the files it wrote (on its own disk, where a node's disk is
+        local) and rank 0 writes the manifest of them all, last."""
+        rank = dist.get_rank(group)
+        try:
+            mine: dict[str, dict[str, Any]] | str = _checksums(directory, _files_written(written, rank))
+        except Exception as error:  # noqa: BLE001 - sent to every rank instead
+            mine = f"rank {rank}: {_cause(error)}"
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        problems = [files for files in every if isinstance(files, str)]
+        if problems:
+            raise _write_error(directory, "; ".join(problems))
+        if rank == 0:
+            with _as_write_error(directory):
+                write_manifest(directory, manifest, files={k: v for files in every for k, v in files.items()})
+            try:
+                prune_checkpoints(self.root, self.num_to_keep, written_step=manifest.step)
+            except Exception as error:  # noqa: BLE001 - the checkpoint is complete; the old ones stay for now
+                logger.warning("could not remove old checkpoints under %s: %s", self.root, _cause(error))
+        return directory
 
 
-def write_manifest(directory: str, manifest: CheckpointManifest) -> None:
-    """Checksum every file of ``directory`` and write the manifest atomically, last."""
+def write_manifest(directory: str, manifest: CheckpointManifest,
+                   files: dict[str, dict[str, Any]] | None = None) -> None:
+    """Write ``directory``'s manifest atomically, last: ``files`` ({name: {"size", "sha256"}}), or, if None,
+    checksums of every file this process sees in ``directory``."""
     fs, path = _filesystem(directory)
-    files = {}
-    for name in sorted(fs.ls(path, detail=False)):
-        base = name.rstrip("/").rsplit("/", 1)[-1]
-        if base != MANIFEST_NAME and not base.endswith(".tmp"):
-            files[base] = {"size": fs.size(name), "sha256": _sha256(fs, name)}
-    complete = CheckpointManifest(**{**asdict(manifest), "files": files, "created_at": time.time()})
+    if files is None:
+        names = [name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)]
+        files = _checksums(directory, [n for n in names if n != MANIFEST_NAME and not n.endswith(".tmp")])
+    complete = CheckpointManifest(**{**asdict(manifest), "files": dict(sorted(files.items())),
+                                     "created_at": time.time()})
     _write_atomically(fs, f"{path}/{MANIFEST_NAME}", json.dumps(asdict(complete), indent=1))
 
 
@@ -143,13 +211,23 @@ def read_manifest(directory: str) -> CheckpointManifest | None:
     fs, path = _filesystem(directory)
     try:
         with fs.open(f"{path}/{MANIFEST_NAME}", "r") as handle:
-            return CheckpointManifest(**json.load(handle))
+            manifest = CheckpointManifest(**json.load(handle))
     except (OSError, ValueError, TypeError):
         return None
+    well_formed = isinstance(manifest.step, int) and isinstance(manifest.files, dict)
+    return manifest if well_formed else None
 
 
 def verify(directory: str, manifest: CheckpointManifest) -> str | None:
-    """Why ``directory`` must not be loaded (a missing, truncated or altered file), or None if intact."""
+    """Why ``directory`` must not be loaded (a missing, truncated or altered file, metadata that is not
+    DCP's plain own or names files the manifest does not list), or None if it is intact."""
+    try:
+        return _problem(directory, manifest)
+    except Exception as error:  # noqa: BLE001 - whatever is wrong with it, it is not loaded
+        return f"cannot be checked: {_cause(error)}"
+
+
+def _problem(directory: str, manifest: CheckpointManifest) -> str | None:
     fs, path = _filesystem(directory)
     if manifest.format != FORMAT:
         return f"format {manifest.format!r}, expected {FORMAT!r}"
@@ -161,7 +239,13 @@ def verify(directory: str, manifest: CheckpointManifest) -> str | None:
             return f"{name} has {fs.size(file)} bytes, the manifest says {expected['size']}"
         if _sha256(fs, file) != expected["sha256"]:
             return f"{name} does not match its checksum"
-    return None
+    try:
+        with fs.open(f"{path}/{METADATA_NAME}", "rb") as handle:
+            metadata = _load_metadata(handle)
+    except pickle.UnpicklingError as error:
+        return f"{METADATA_NAME} is refused: {error}"
+    unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - manifest.files.keys())
+    return f"{unlisted[0]} holds state but is not in the manifest" if unlisted else None
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
@@ -171,17 +255,20 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
         return []
     found = []
     for directory in fs.ls(path, detail=False):
-        if directory.rstrip("/").rsplit("/", 1)[-1].startswith("step_"):
+        if _step_of(directory) is not None:
             manifest = read_manifest(_same_scheme(root, directory))
             if manifest is not None:
                 found.append(Checkpoint(_same_scheme(root, directory), manifest))
     return sorted(found, key=lambda c: c.manifest.step)
 
 
-def newest_loadable(root: str | os.PathLike) -> tuple[Checkpoint | None, list[Rejected]]:
-    """The newest complete checkpoint whose files are intact, and the newer ones rejected on the way."""
+def newest_loadable(root: str | os.PathLike, max_step: int | None = None) -> tuple[Checkpoint | None, list[Rejected]]:
+    """The newest complete checkpoint (of at most ``max_step``) whose files are intact, and the newer ones
+    rejected on the way."""
     rejected = []
     for checkpoint in reversed(complete_checkpoints(root)):
+        if max_step is not None and checkpoint.manifest.step > max_step:
+            continue
         reason = verify(checkpoint.path, checkpoint.manifest)
         if reason is None:
             return checkpoint, rejected
@@ -193,25 +280,28 @@ def latest_checkpoint(root: str | os.PathLike) -> Checkpoint | None:
     return newest_loadable(root)[0]
 
 
-def load_into(state_dict: dict[str, Any], directory: str, group: dist.ProcessGroup | None = None) -> None:
-    """Collective: fill ``state_dict`` (canonical layout, this rank's shards) from ``directory``."""
-    dcp.load(state_dict, storage_reader=_reader(directory), process_group=group)
+def load_into(state_dict: dict[str, Any], directory: str, group: dist.ProcessGroup | None = None, *,
+              partial: bool = False) -> None:
+    """Collective: fill ``state_dict`` (canonical layout, this rank's shards) from ``directory``; raises
+    CheckpointLoadError naming it and the cause. With ``partial``, entries the checkpoint lacks are left as
+    they are."""
+    planner = DefaultLoadPlanner(allow_partial_load=True) if partial else None
+    try:
+        dcp.load(state_dict, storage_reader=_reader(directory), planner=planner, process_group=group)
+    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        raise CheckpointLoadError(f"could not load checkpoint {directory}: {_cause(error)}") from error
 
 
-def prune_checkpoints(root: str, num_to_keep: int) -> None:
-    """Remove complete checkpoints beyond the newest ``num_to_keep``, and incomplete ones older than
-    the newest complete one (never one that may still be being written)."""
-    complete = complete_checkpoints(root)
-    if not complete:
-        return
+def prune_checkpoints(root: str, num_to_keep: int, *, written_step: int) -> None:
+    """Once the checkpoint of ``written_step`` is complete: remove older complete checkpoints beyond the
+    newest ``num_to_keep`` up to it, and older incomplete directories. A higher step (an earlier life of
+    the run that got further, say) is left alone: the checkpoint just written does not supersede it."""
+    complete = [c for c in complete_checkpoints(root) if c.manifest.step <= written_step]
     keep = {c.path for c in complete[-num_to_keep:]}
-    newest = complete[-1].manifest.step
     fs, path = _filesystem(root)
     for directory in fs.ls(path, detail=False):
-        name = directory.rstrip("/").rsplit("/", 1)[-1]
-        if not name.startswith("step_") or _same_scheme(root, directory) in keep:
-            continue
-        if int(name.removeprefix("step_")) < newest:
+        step = _step_of(directory)
+        if step is not None and step < written_step and _same_scheme(root, directory) not in keep:
             fs.rm(directory, recursive=True)
 
 
@@ -236,17 +326,35 @@ def _writer(directory: str) -> FileSystemWriter | FsspecWriter:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP pickles its ``.metadata``; unpickle only the plain classes that file is made of, so a
-    planted checkpoint cannot run code (the manifest's checksums cannot help if it is planted too)."""
+    """DCP pickles its ``.metadata``; unpickle only the plain classes that file is made of, so a planted
+    checkpoint cannot run code (the manifest's checksums cannot help if it is planted too). The list is
+    what DCP's metadata of every strategy's checkpoints holds (torch 2.13), and tensors' dtypes."""
 
-    ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
-               ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    ALLOWED = {("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # the latter: Python 3.13+
+               ("torch", "Size"), ("torch.serialization", "_get_layout"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+               *(("torch.distributed.checkpoint.metadata", name) for name in (
+                   "Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorStorageMetadata",
+                   "TensorProperties", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata")),
+               *(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))}
+    """BytesStorageMetadata unpickles only to be refused with its reason (see ``_load_metadata``)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if dtype or (module, name) in self.ALLOWED or module == "torch.distributed.checkpoint.metadata":
+        if (module, name) in self.ALLOWED:  # exact names: a dotted one ("os.system") is never among them
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+def _load_metadata(handle: Any) -> Metadata:
+    """DCP's ``.metadata`` from ``handle``, refused unless it is DCP's plain classes and tensors only."""
+    metadata = _MetadataUnpickler(handle).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"checkpoint metadata is a {type(metadata).__name__}, not DCP's Metadata")
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):  # DCP would torch.load(weights_only=False) those bytes
+            raise pickle.UnpicklingError(f"checkpoint metadata stores {key!r} as pickled bytes, which loading "
+                                         "would unpickle (running any code in them); checkpoints hold tensors only")
+    return metadata
 
 
 class _SafeMetadata:
@@ -254,7 +362,7 @@ class _SafeMetadata:
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
+            metadata = _load_metadata(handle)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -298,6 +406,62 @@ def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
         while chunk := handle.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _checksums(directory: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    fs, path = _filesystem(directory)
+    return {name: {"size": fs.size(f"{path}/{name}"), "sha256": _sha256(fs, f"{path}/{name}")} for name in names}
+
+
+def _files_written(written: Metadata, rank: int) -> list[str]:
+    """The files of a save that ``rank`` (of the saving group) wrote: DCP's FileSystemWriter names each
+    rank's ``__<rank>_<n>.distcp``, and the coordinator, rank 0, writes ``.metadata``."""
+    data = {info.relative_path for info in written.storage_data.values()
+            if info.relative_path.startswith(f"__{rank}_")}
+    return sorted(data) + ([METADATA_NAME] if rank == 0 else [])
+
+
+def _require_tensors(state_dict: dict[str, Any]) -> None:
+    """DCP would pickle anything else, and loading a pickle can run code: checkpoints hold tensors only."""
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"checkpoint state {key!r} is of type {type(value).__name__}; only tensors are saved")
+
+
+def _step_of(directory: str) -> int | None:
+    name = directory.rstrip("/").rsplit("/", 1)[-1]
+    digits = name.removeprefix("step_")
+    return int(digits) if name.startswith("step_") and digits.isdigit() else None
+
+
+def _resolved(directory: str) -> Future:
+    done: Future = Future()
+    done.set_result(directory)
+    return done
+
+
+def _write_error(directory: str, cause: BaseException | str) -> CheckpointWriteError:
+    return CheckpointWriteError(f"could not write checkpoint {directory}: {_cause(cause)}")
+
+
+@contextlib.contextmanager
+def _as_write_error(directory: str) -> Iterator[None]:
+    """Any failure inside, DCP's CheckpointException (a BaseException) too, as CheckpointWriteError."""
+    try:
+        yield
+    except CheckpointWriteError:
+        raise
+    except (Exception, CheckpointException) as error:
+        raise _write_error(directory, error) from error
+
+
+def _cause(error: BaseException | str) -> str:
+    """One line per failure: DCP's CheckpointException carries one per failed rank."""
+    if isinstance(error, str):
+        return error
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {_cause(failure)}" for rank, (failure, _) in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {error}"
 
 
 def _versions() -> dict[str, str]:

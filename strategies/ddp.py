@@ -35,8 +35,11 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_cap_mb: float)
 
 
 def ddp_no_sync(wrapped: torch.nn.Module) -> AbstractContextManager:
-    if isinstance(wrapped, DistributedDataParallel):
-        return wrapped.no_sync()
+    """DDP's ``no_sync``; under training.compile ``wrapped`` is the compiled DDP, whose forward still runs
+    DDP's own (dynamo compiles the module inside), so the DDP it holds decides."""
+    ddp = getattr(wrapped, "_orig_mod", wrapped)  # torch.compile's OptimizedModule
+    if isinstance(ddp, DistributedDataParallel):
+        return ddp.no_sync()
     return contextlib.nullcontext()
 
 

@@ -8,11 +8,17 @@ backward. Each repeated block is its own FSDP unit (its parameters are gathered 
 the root. FSDP2 averages gradients over ranks like DDP, so the step loop's loss scaling is the
 same. On GPUs, DTensor collectives use NCCL; FSDP2's CPU offload (``offload``) keeps parameters
 and optimizer state in host memory.
+
+Each generation's mesh is new in two ways DTensor's caches make necessary (issue 16 item 17, see
+``generation_mesh`` and ``release_group_with``): it equals no earlier mesh of the process, and it
+lets go of its process group when the model it was made for is freed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -21,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
@@ -40,12 +46,13 @@ class FSDPStrategy:
               previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
         """A fresh model sharded over the current group: sharded state cannot outlive its group."""
         model = build_model()
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mesh = generation_mesh(device)
         options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                                        offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
         for child in _units(model):
             fully_shard(child, **options)
         fully_shard(model, **options)
+        release_group_with(model, mesh)
         optimizer = build_optimizer(model)
         require_elementwise(optimizer, self.name)
         return TrainState(model=model, wrapped=model, optimizer=optimizer)
@@ -64,6 +71,39 @@ class FSDPStrategy:
         optimizer = {k: flat.get(f"optim.{k}", v) for k, v in current.items()}  # param_groups: as built
         set_state_dict(state.model, state.optimizer, model_state_dict=model, optim_state_dict=optimizer,
                        options=_OPTIONS)
+
+
+def generation_mesh(device: torch.device) -> DeviceMesh:
+    """A 1-D mesh over the current group, equal to no mesh this process made before.
+
+    DeviceMesh equality and hash leave out this process's place in the mesh, and DTensor caches the
+    output specs of its ops by mesh - ``nn.Parameter``'s ``detach`` in ``fully_shard``, a state dict's,
+    Adam's ``zeros_like`` - per thread, in threads that outlive a group (a Ray actor's). Under an equal
+    mesh, a rank that had another place in an earlier group of the same size got that group's mesh
+    back, so its shards were saved and loaded at another rank's offsets (DCP: "Failed to validate global
+    plan ... invalid fill").
+
+    Example (a strategy's ``setup``, once the generation's group is joined)::
+
+        mesh = generation_mesh(device)
+        fully_shard(model, mesh=mesh)
+        release_group_with(model, mesh)
+    """
+    name = f"shard-{uuid.uuid4().hex[:8]}"  # differs between ranks too, which nothing compares
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=(name,))
+
+
+def release_group_with(owner: object, mesh: DeviceMesh) -> None:
+    """Once ``owner`` (what holds ``mesh`` for a generation: the model) is freed, ``mesh`` no longer holds
+    its process group.
+
+    The mesh holds it for torch.compile only (collectives look a group up by name), and DTensor's caches
+    keep meshes alive long after the state they were made for. A destroyed gloo group that is still held
+    keeps its connections open, so a rank blocked in one of its collectives - one not next to a lost
+    peer in gloo's ring - waited out failure.collective_timeout_s instead of failing when the survivors
+    left the group.
+    """
+    weakref.finalize(owner, mesh._pg_registry.clear)
 
 
 def _units(model: torch.nn.Module) -> Iterator[torch.nn.Module]:

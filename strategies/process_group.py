@@ -1,17 +1,36 @@
 """One torch.distributed process group per generation, rendezvoused through the Controller's store.
 
 The Controller hosts a TCPStore for the whole run; generation g's group uses the key prefix
-``generation/g`` of it, so survivors can leave a broken group and join the next one in the
-same process without any port being bound again.
+``<store_prefix>/generation/g`` of it, so survivors can leave a broken group and join the next one
+in the same process without any port being bound again. ``store_prefix`` is random per run, so a
+client that writes raylastic's key names blindly misses the rendezvous. It is not a secret from one
+that asks: a TCPStore has no authentication and lists its keys to any client (``list_keys``), so the
+port must be reachable from the cluster only (README, security).
+
+On GPUs the group is NCCL, set up so that a survivor outlives its peer (ProcessGroupNCCL.hpp,
+torch 2.13): ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly) has the watchdog abort the
+communicators on an error or a timeout and leave the process alive, so the survivor's next
+collective raises (the default, 3 = SkipCleanUp, and 1 = TearDown kill the process);
+``TORCH_NCCL_ENABLE_MONITORING=0`` turns off the heartbeat monitor, which would also kill a process
+whose watchdog is stuck (the Controller's hang watchdog replaces a worker that stops answering);
+``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` so a timeout is not held up writing debug dumps. The group's
+timeout is failure.collective_timeout_s. A thread blocked in a collective whose peer is gone is
+released by ``abort_group`` (it then raises), which must come before that thread is joined.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+NCCL_RECOVERY_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
+                             "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+"""Read by ProcessGroupNCCL when a group is created: errors abort the communicators, not the process."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,39 +42,72 @@ class GroupAssignment:
     world_size: int
     store_host: str
     store_port: int
+    store_prefix: str
+    """The run's random key prefix in the store (``new_store_prefix()``, made once per run)."""
     timeout_s: float
     run_step: int = 0
     """Steps the run had committed when this generation was formed (the same on every rank)."""
 
 
-def choose_backend(use_gpu: bool) -> str:
-    """NCCL when the worker was given a GPU, gloo otherwise."""
-    return "nccl" if use_gpu and torch.cuda.is_available() else "gloo"
+def new_store_prefix() -> str:
+    """A run's store key prefix: 128 random bits."""
+    return secrets.token_hex(16)
 
 
 def choose_device(use_gpu: bool) -> torch.device:
-    # Ray sets CUDA_VISIBLE_DEVICES to the worker's own GPU, so it is always cuda:0 here.
-    return torch.device("cuda", 0) if use_gpu and torch.cuda.is_available() else torch.device("cpu")
+    """cuda:0 for a GPU worker (Ray sets CUDA_VISIBLE_DEVICES to its own GPU), else the CPU.
+
+    Raises ValueError when a GPU was asked for and this process sees none: training on the CPU
+    instead would be a silent, much slower, different run.
+    """
+    if not use_gpu:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"scaling.use_gpu=true, but this worker sees no CUDA device (torch {torch.__version__}, built for CUDA "
+            f"{torch.version.cuda}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, node "
+            f"{os.uname().nodename}): install a CUDA build of torch on the GPU nodes, or set scaling.use_gpu=false")
+    return torch.device("cuda", 0)
+
+
+def choose_backend(use_gpu: bool) -> str:
+    """NCCL for a GPU worker, gloo otherwise (ValueError as ``choose_device`` when there is no GPU)."""
+    return "nccl" if choose_device(use_gpu).type == "cuda" else "gloo"
 
 
 def join_group(assignment: GroupAssignment, backend: str) -> None:
     """Leave the current group (if any) and join the one of ``assignment.generation``."""
     leave_group()
+    if "nccl" in backend:  # also "cpu:gloo,cuda:nccl"
+        os.environ.update(NCCL_RECOVERY_ENVIRONMENT)
     store = dist.TCPStore(assignment.store_host, assignment.store_port, is_master=False,
                           timeout=timedelta(seconds=assignment.timeout_s))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"generation/{assignment.generation}", store),
-                            rank=assignment.rank, world_size=assignment.world_size,
-                            timeout=timedelta(seconds=assignment.timeout_s))
+    prefix = f"{assignment.store_prefix}/generation/{assignment.generation}"
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=assignment.rank,
+                            world_size=assignment.world_size, timeout=timedelta(seconds=assignment.timeout_s))
+
+
+def abort_group() -> None:
+    """Abort the current NCCL group (every group of this process), so a thread blocked in one of its
+    collectives - a peer is gone - raises instead of waiting for the timeout. Call it before joining
+    that thread. A gloo group is left as it is: its collectives raise when a peer dies, and at the
+    group's timeout when one hangs."""
+    if dist.is_initialized() and _uses_nccl():
+        dist.distributed_c10d._abort_process_group()
 
 
 def leave_group() -> None:
     """Abort (NCCL: a hung collective must not be waited out) or destroy the current group."""
     if not dist.is_initialized():
         return
-    if dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
+    if _uses_nccl():
+        abort_group()
     else:
         dist.destroy_process_group()
+
+
+def _uses_nccl() -> bool:
+    return "nccl" in dist.get_backend()  # "nccl", or one backend per device type: "cpu:gloo,cuda:nccl"
 
 
 def host_store(host: str) -> dist.TCPStore:

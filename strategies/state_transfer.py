@@ -1,9 +1,10 @@
 """Hand the training state over from one rank to the whole group, in memory.
 
 Used when a generation forms: the most advanced rank (highest committed step) is the source;
-new workers and survivors that fell behind receive its model, optimizer state and step. The
-optimizer's structure (param groups, which state tensors exist) travels once as a small
-object; tensors travel as broadcasts in place, so no full copy is pickled.
+new workers and survivors that fell behind receive its model, optimizer state, step and (fp16)
+loss-scaler state. The optimizer's structure (param groups, which state tensors exist) and the
+scaler's two numbers travel once as a small object; tensors travel as broadcasts in place, so no
+full copy is pickled.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ class _TensorSpec:
 
 
 def broadcast_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, *,
-                             source_rank: int, device: torch.device) -> int:
-    """Make every rank's model, optimizer and step equal to ``source_rank``'s; returns the step."""
+                             source_rank: int, device: torch.device,
+                             scaler: torch.amp.GradScaler | None = None) -> int:
+    """Make every rank's model, optimizer, step and loss scaler (fp16: a different scale would make the
+    replicas skip different steps) equal to ``source_rank``'s; returns the step."""
     is_source = dist.get_rank() == source_rank
     optim_state = optimizer.state_dict() if is_source else None
-    header = [{"step": step, "param_groups": optim_state["param_groups"],
-               "state": _describe(optim_state["state"])} if is_source else None]
+    header = [{"step": step, "param_groups": optim_state["param_groups"], "state": _describe(optim_state["state"]),
+               "scaler": scaler.state_dict() if scaler is not None else None} if is_source else None]
     dist.broadcast_object_list(header, src=source_rank, device=device if device.type == "cuda" else None)
     header = header[0]
 
@@ -43,6 +46,8 @@ def broadcast_training_state(model: torch.nn.Module, optimizer: torch.optim.Opti
             received[param_id][key] = _broadcast_in_place(tensor, source_rank, device)
     if not is_source:
         optimizer.load_state_dict({"state": received, "param_groups": header["param_groups"]})
+        if scaler is not None and header["scaler"] is not None:
+            scaler.load_state_dict(header["scaler"])
     return header["step"]
 
 

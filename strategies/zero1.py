@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
 from strategies.ddp import ddp_no_sync, wrap_ddp
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
+from strategies.fsdp import generation_mesh, release_group_with
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -36,7 +36,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: torch.nn.Module, build_optimizer: OptimizerFactory, device: torch.device) -> None:
         self.full = [p for p in model.parameters() if p.requires_grad]
-        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.mesh = generation_mesh(device)  # see strategies/fsdp.py: DTensor's caches outlive a group
+        release_group_with(self, self.mesh)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         shard_of = {full: torch.nn.Parameter(self._shard_of(full.data)) for full in self.full}
         self.shards = list(shard_of.values())

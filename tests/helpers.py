@@ -27,6 +27,23 @@ def assert_states_close(first: dict, second: dict, rtol: float = 1e-4, atol: flo
         torch.testing.assert_close(first[key], second[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
 
 
+def applied_samples(ledger: dict[int, list[dict]], steps: int, num_samples: int) -> dict[int, list[int]]:
+    """Assert the run applied every step 1..``steps`` exactly once (one kept application each: see
+    RunLog.ledger) and so consumed every sample once per epoch; returns each step's samples."""
+    assert sorted(ledger) == list(range(1, steps + 1)), f"steps missing from the ledger: {sorted(ledger)}"
+    applied = {}
+    for step, applications in ledger.items():
+        kept = [a for a in applications if a["kept"]]
+        assert len(kept) == 1, f"step {step} applied {len(kept)} times: {applications}"
+        applied[step] = kept[0]["samples"]
+    stream = [i for step in range(1, steps + 1) for i in applied[step]]
+    for start in range(0, len(stream), num_samples):
+        epoch = stream[start:start + num_samples]
+        expected = list(range(num_samples)) if len(epoch) == num_samples else sorted(set(epoch))
+        assert sorted(epoch) == expected, f"epoch {start // num_samples}: a sample missed or consumed twice"
+    return applied
+
+
 def with_ctrl_c_enabled(command: list[str]) -> list[str]:
     """``command`` started with SIGINT at its default disposition, as Ctrl-C finds a program in a terminal.
 

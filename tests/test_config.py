@@ -69,6 +69,29 @@ BAD_OVERRIDES = [
     pytest.param(["failure.max_failures=true"], ["failure.max_failures"], id="bool-max-failures"),
     pytest.param(["checkpoint.every_steps=true"], ["checkpoint.every_steps"], id="bool-every-steps"),
     pytest.param(["scaling.cpus_per_worker=.inf"], ["scaling.cpus_per_worker"], id="cpus-infinite"),
+    pytest.param(["faults=[{action: kill}]"], ["missing faults[0].rank (a non-negative integer)",
+                                              "faults[0].step (a positive integer)", "action, rank, step"],
+                 id="fault-without-rank-and-step"),
+    pytest.param(["faults=[{rank: 1, step: 3}]"], ["missing faults[0].action (one of kill, ray_kill"],
+                 id="fault-without-action"),
+    pytest.param(["faults=[{action: kill, rank: 1, step: 3}, {action: stall, step: 4}]"],
+                 ["missing faults[1].rank"], id="second-fault-without-rank"),
+    pytest.param(["faults=[{action: explode, rank: 1, step: 3}]"], ["faults[].action", "kill, ray_kill"],
+                 id="fault-unknown-action"),
+    pytest.param(["faults=[{action: kill, rank: 2, step: 3}]"], ["faults[0].rank", "below scaling.max_workers (2)"],
+                 id="fault-rank-never-exists"),
+    pytest.param(["training.steps=10", "faults=[{action: kill, rank: 1, step: 11}]"],
+                 ["faults[0].step", "at most training.steps (10)"], id="fault-step-never-runs"),
+    pytest.param(["faults={action: kill, rank: 1, step: 3}"], ["faults must be a list"], id="faults-not-a-list"),
+    pytest.param(["scaling.resources_per_worker={CPU: 2}"],
+                 ["scaling.resources_per_worker cannot reserve CPU", "scaling.cpus_per_worker"], id="resources-cpu"),
+    pytest.param(["scaling.resources_per_worker={GPU: 1, worker_slot: 1}"],
+                 ["scaling.resources_per_worker cannot reserve GPU", "scaling.use_gpu"], id="resources-gpu"),
+    *[pytest.param([f"{key}={value}"], [key, f"seconds in [{low}, 86400] (a day)", f"got {float(value)}"],
+                   id=f"{key.split('.')[1]}-{value}")
+      for key, low in (("failure.collective_timeout_s", 1), ("failure.step_timeout_s", 1),
+                       ("failure.max_step_s", 1), ("scaling.placement_timeout_s", 10))
+      for value in (0, 0.5, 86401)],
 ]
 
 
@@ -77,6 +100,13 @@ def test_bad_value_names_field_and_what_is_allowed(overrides, fragments):
     message = _error(overrides)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_timeouts_accept_their_bounds():
+    load_job_config(None, ["failure.collective_timeout_s=1", "failure.step_timeout_s=1", "failure.max_step_s=1",
+                           "scaling.placement_timeout_s=10"])
+    load_job_config(None, [f"{key}=86400" for key in ("failure.collective_timeout_s", "failure.step_timeout_s",
+                                                       "failure.max_step_s", "scaling.placement_timeout_s")])
 
 
 def test_unknown_key_lists_every_allowed_key():

@@ -85,12 +85,13 @@ def test_different_seeds_and_epochs_give_different_orders():
 
 
 def test_every_seed_the_config_accepts_gives_an_order():
-    seed = 2**50
-    try:
-        TrainingConfig(seed=seed)
-    except ValueError:
-        return  # the config refusing such seeds is a fix too
-    assert len(GlobalSampleOrder(num_samples=10, global_batch_size=4, seed=seed).step_indices(0)) == 4
+    largest = 2**32 - 1
+    TrainingConfig(seed=largest)
+    with pytest.raises(ValueError, match=r"training\.seed must be an integer in \[0, 2\*\*32\)"):
+        TrainingConfig(seed=largest + 1)
+    order = GlobalSampleOrder(num_samples=10, global_batch_size=4, seed=largest)
+    assert torch.equal(order.permutation(0).sort().values, torch.arange(10))
+    assert torch.equal(order.step_indices(0), order.permutation(0)[:4])
 
 
 @pytest.mark.parametrize("global_batch_size", GLOBAL_BATCHES)

@@ -1,5 +1,7 @@
-"""A whole node leaves: a simulated two-node Ray cluster (ray.cluster_utils.Cluster) loses the node
-that runs half of the workers; the run carries on with the other half, with the same result."""
+"""A node leaves: a simulated two-node Ray cluster (ray.cluster_utils.Cluster) whose second node runs
+half of the workers. Lost without notice, its workers fail and the run carries on with the other
+half; drained first (a spot notice), they leave at a step boundary and nothing fails when the node
+goes. Either way the result is the undisturbed run's, every step applied exactly once."""
 
 from __future__ import annotations
 
@@ -11,45 +13,92 @@ from ray.cluster_utils import Cluster
 
 from cluster.job import train
 from tests.conftest import REPO_ROOT
-from tests.helpers import assert_states_close, job, load_model
+from tests.helpers import applied_samples, assert_states_close, job, load_model
+from workloads.digits import Digits
 
-STEPS = 60  # ~4 s: progress (every second) sees step 15 at world size 4 well before the end
-BASE = (f"training.steps={STEPS}", "scaling.min_workers=2", "scaling.max_workers=4", "scaling.cpus_per_worker=1",
-        "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.05}",
-        "scaling.placement_timeout_s=60")
+STEPS = 60  # ~4 s: progress (every second) sees step 10-15 at world size 4 well before the end
+BASE = (f"training.steps={STEPS}", "training.record_samples=true", "scaling.min_workers=2",
+        "scaling.max_workers=4", "scaling.cpus_per_worker=1", "workload.name=tests.user_workload:SlowDigits",
+        "workload.options={pause_s: 0.05}", "scaling.placement_timeout_s=60")
+NUM_TRAIN_SAMPLES = len(Digits().train_dataset())
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def head():
     os.chdir(REPO_ROOT)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    second = cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="raylastic",
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
     try:
-        yield cluster, second
+        yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
-def test_run_continues_on_the_remaining_node(tmp_path, two_nodes):
-    cluster, second = two_nodes
-    reference = train(job(*BASE, "scaling.max_workers=2", name="nodes-reference"), run_dir=tmp_path / "reference")
+@pytest.fixture
+def second_node(head):
+    """A second node of 2 CPUs: with the head's 2, four workers of 1 CPU are two on each."""
+    node = head.add_node(num_cpus=2)
+    head.wait_for_nodes()
+    yield node
+    if node in head.list_all_nodes():
+        head.remove_node(node)
+
+
+@pytest.fixture(scope="module")
+def reference(head, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = train(job(*BASE, "scaling.max_workers=2", name="nodes-reference"), run_dir=run_dir)
+    assert result.final_step == STEPS
+    return applied_samples(result.ledger, STEPS, NUM_TRAIN_SAMPLES), load_model(run_dir)
+
+
+def assert_same_as_reference(result, run_dir, reference):
+    samples, state = reference
+    assert result.final_step == STEPS
+    assert_states_close(load_model(run_dir), state)
+    assert applied_samples(result.ledger, STEPS, NUM_TRAIN_SAMPLES) == samples
+
+
+def test_run_continues_on_the_remaining_node(tmp_path, head, second_node, reference):
     removed = {}
 
     def remove_second_node(progress):
         if progress["step"] >= 15 and progress["world_size"] == 4 and not removed:
             removed["step"] = progress["step"]
-            cluster.remove_node(second)
+            head.remove_node(second_node)
 
     result = train(job(*BASE, name="nodes"), run_dir=tmp_path / "nodes", on_progress=remove_second_node)
     assert removed, "the run never had 4 workers on two nodes"
-    assert result.final_step == STEPS
     failed = [e for e in result.events if e["type"] == "worker_failed"]
     assert len(failed) == 2
     sizes = [row["world_size"] for row in result.history]
     assert sizes[0] == 4 and sizes[-1] == 2
-    assert_states_close(load_model(tmp_path / "nodes"), load_model(tmp_path / "reference"))
-    assert reference.final_step == STEPS
+    assert_same_as_reference(result, tmp_path / "nodes", reference)
+
+
+def test_draining_a_node_moves_its_workers_out_at_a_step_boundary(tmp_path, head, second_node, reference):
+    """``Controller.drain(node_id=...)``: every worker on the node leaves at the next step boundary, nothing
+    is discarded, and the node can then go without a single failure."""
+    actions = {}
+
+    def drain_then_remove_second_node(progress):
+        if progress["step"] >= 10 and progress["world_size"] == 4 and "drained" not in actions:
+            controller = ray.get_actor("raylastic:drain:controller")
+            actions["drained"] = ray.get(controller.drain.remote(node_id=second_node.node_id))
+        elif "drained" in actions and progress["world_size"] == 2 and "removed" not in actions:
+            head.remove_node(second_node)  # the spot instance goes: none of the run's workers is on it
+            actions["removed"] = progress["step"]
+
+    result = train(job(*BASE, name="drain"), run_dir=tmp_path / "drain", on_progress=drain_then_remove_second_node)
+    assert len(actions.get("drained", [])) == 2, actions
+    assert "removed" in actions and actions["removed"] < STEPS, "the run ended before the node was removed"
+    left = [e for e in result.events if e["type"] == "worker_left"]
+    assert sorted(e["worker"] for e in left) == actions["drained"]
+    assert {e["reason"] for e in left} == {"drained"}
+    assert not [e for e in result.events if e["type"] == "worker_failed"]
+    assert all(e["steps_lost"] == 0 for e in result.events if e["type"] == "generation_formed")
+    sizes = [row["world_size"] for row in result.history]
+    assert sizes[0] == 4 and sizes[-1] == 2 and sorted(sizes) == sizes[::-1]  # 4, then 2 for good
+    assert_same_as_reference(result, tmp_path / "drain", reference)

@@ -1,5 +1,5 @@
-"""The run log's step rows: every rank's part of the batch summed, shown only once complete; and the
-long poll readers wait on: an event or the run's end wakes them at once."""
+"""The run log's step rows: every rank's part of the batch summed, shown only once complete; the
+append-only sample ledger; and the long poll readers wait on: an event or the run's end wakes them at once."""
 
 from __future__ import annotations
 
@@ -58,6 +58,39 @@ def test_a_step_redone_in_a_later_generation_replaces_the_discarded_attempt():
     row = _report(log, 1, rank=0, generation=1, world_size=1, loss_sum=8.0, samples=8)
     assert row["loss"] == 1.0 and row["world_size"] == 1
     assert [r["loss"] for r in log.history()] == [1.0]
+
+
+def _commit(log: RunLog, step: int, generation: int, ranks=(0, 1)) -> None:
+    for rank in ranks:  # every rank reports the step's samples (all-gathered: the same on each)
+        log.add_samples(step, (2 * step, 2 * step + 1), generation=generation, rank=rank)
+
+
+def _applications(log: RunLog) -> dict[int, list[tuple[int, bool]]]:
+    return {step: [(a["generation"], a["kept"]) for a in applied] for step, applied in log.ledger().items()}
+
+
+def test_the_ledger_keeps_a_redone_step_and_marks_the_discarded_attempt():
+    log = RunLog()
+    log.event("generation_formed", 0, generation=0)
+    for step in (1, 2, 3):
+        _commit(log, step, generation=0)
+    log.event("generation_formed", 1, generation=1)  # restored from the checkpoint of step 1: 2 and 3 are redone
+    for step in (2, 3):
+        _commit(log, step, generation=1)
+    log.event("generation_formed", 3, generation=2)  # handed over at step 3: nothing discarded
+    _commit(log, 4, generation=2, ranks=(0,))
+    assert _applications(log) == {1: [(0, True)], 2: [(0, False), (1, True)], 3: [(0, False), (1, True)],
+                                  4: [(2, True)]}
+    assert log.ledger()[2][1]["samples"] == [4, 5]
+
+
+def test_a_step_a_rank_applies_twice_in_one_generation_shows_twice():
+    log = RunLog()
+    log.event("generation_formed", 0, generation=0)
+    _commit(log, 1, generation=0)
+    _commit(log, 2, generation=0)
+    _commit(log, 2, generation=0, ranks=(1,))  # rank 1 trained step 2 again
+    assert _applications(log) == {1: [(0, True)], 2: [(0, True), (0, True)]}
 
 
 def _waited_s(log: RunLog, events_since: int, timeout_s: float, then=None) -> float:

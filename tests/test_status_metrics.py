@@ -1,7 +1,7 @@
 """Observability of a running job: Ray's Prometheus endpoint carries its metrics, ``raylastic status`` shows it.
 
 A real ``ray start --head`` with a known metrics-export port (``tests/ray_head.py``), and one
-slowed job (``tests.user_workload:SlowDigits``) in which rank 1 raises at step 5, so the run also
+slowed job (``tests.user_workload:SlowDigits``) in which rank 1 is killed at step 5, so the run also
 has a failure and a recovery to report. While it trains: the endpoint is scraped over loopback
 until every ``ray_raylastic_*`` series carries the run's tag, and ``raylastic status`` is run as a
 user would run it. The job is then stopped with Ctrl-C (SIGINT).
@@ -51,7 +51,7 @@ def running_job(head: RayHead, tmp_path_factory: pytest.TempPathFactory):
                "--set", f"name={RUN}", "--set", "workload.name=tests.user_workload:SlowDigits",
                "--set", "workload.options={pause_s: 0.05}", "--set", "training.steps=5000",
                "--set", "scaling.min_workers=1", "--set", "scaling.max_workers=2",
-               "--set", "scaling.cpus_per_worker=0.5", "--set", "faults=[{action: raise, rank: 1, step: 5}]"]
+               "--set", "scaling.cpus_per_worker=0.5", "--set", "faults=[{action: kill, rank: 1, step: 5}]"]
     with open(output, "w") as log:
         driver = subprocess.Popen(with_ctrl_c_enabled(command), cwd=REPO_ROOT, env=head.client_env(), stdout=log,
                                   stderr=subprocess.STDOUT)

@@ -1,10 +1,10 @@
 """Sweeps on a real local Ray: Tune runs whole Raylastic jobs as trials, Optuna proposes, ASHA stops.
 
-One sweep of 6 digits trials is interrupted while its fourth trial runs (SIGUSR1, Tune's
-Ctrl-C) and resumed by name; the tests read what it left. Trials run one at a time so the
-sweep is deterministic: the first three values are given (``points_to_evaluate``) - a terrible
-learning rate first (the first trial at a rung always goes on, so it completes: the "worst"),
-a good one, then a bad one that ASHA must stop at its first rung.
+One sweep of 6 digits trials is interrupted while its fourth trial runs, once its job has saved a
+checkpoint (SIGUSR1, Tune's Ctrl-C), and resumed by name; the tests read what it left. Trials run
+one at a time so the sweep is deterministic: the first three values are given
+(``points_to_evaluate``) - a terrible learning rate first (the first trial at a rung always goes on,
+so it completes: the "worst"), a good one, then a bad one that ASHA must stop at its first rung.
 """
 
 from __future__ import annotations
@@ -33,29 +33,32 @@ FIRST = [{"optim.lr": 1e-5, "training.global_batch_size": 32},   # terrible: com
          {"optim.lr": 3e-3, "training.global_batch_size": 32},   # good
          {"optim.lr": 3e-5, "training.global_batch_size": 32}]   # bad: stopped by ASHA at step 10
 ASHA = EarlyStopping(grace_period_steps=10, reduction_factor=2)
+CHECKPOINT_EVERY = 5  # the interrupted trial has saved one before ASHA's first rung (step 10) can stop it
 
 
 class InterruptTrial(tune.Callback):
-    """Sends this process SIGUSR1 (Tune's Ctrl-C) when the ``number``-th trial (0-based) first reports.
+    """Sends this process SIGUSR1 (Tune's Ctrl-C) when the ``number``-th trial (0-based) reports step
+    ``after_step``; past a multiple of ``CHECKPOINT_EVERY``, its job has a checkpoint to resume from.
 
     Tune saves callbacks with the sweep and restores them on resume: the flag file keeps this one
     from interrupting the resumed sweep too.
     """
 
-    def __init__(self, number: int, flag: Path) -> None:
-        self.number, self.flag, self.seen = number, flag, []
+    def __init__(self, number: int, after_step: int, flag: Path) -> None:
+        self.number, self.after_step, self.flag, self.seen = number, after_step, flag, []
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if trial.trial_id not in self.seen:
             self.seen.append(trial.trial_id)
-        if len(self.seen) > self.number and not self.flag.exists():
+        chosen = len(self.seen) > self.number and trial.trial_id == self.seen[self.number]
+        if chosen and result.get("step", 0) >= self.after_step and not self.flag.exists():
             self.flag.touch()
             os.kill(os.getpid(), signal.SIGUSR1)
 
 
 def base_job() -> JobConfig:
     return job(f"training.steps={STEPS}", "scaling.min_workers=1", "scaling.max_workers=1",
-               "scaling.cpus_per_worker=0.25", "checkpoint.every_steps=10", name="tune")
+               "scaling.cpus_per_worker=0.25", f"checkpoint.every_steps={CHECKPOINT_EVERY}", name="tune")
 
 
 def run_sweep(storage: Path, **options) -> SweepResult:
@@ -68,9 +71,11 @@ def run_sweep(storage: Path, **options) -> SweepResult:
 def sweeps(tmp_path_factory):
     """The sweep interrupted while its 4th trial runs, what its jobs had written then, the resumed sweep."""
     storage = tmp_path_factory.mktemp("sweeps")
-    interrupted = run_sweep(storage, callbacks=[InterruptTrial(3, storage / "interrupted")])
+    interrupted = run_sweep(storage, callbacks=[InterruptTrial(3, CHECKPOINT_EVERY + 1, storage / "interrupted")])
     jobs = storage / "digits" / "jobs"
-    written = {path: path.stat().st_mtime_ns for path in jobs.glob("*/result.json")}
+    unfinished = set(interrupted.dataframe.query("status == 'unfinished'")["trial_id"])  # its job wrote "killed"
+    written = {path: path.stat().st_mtime_ns for path in jobs.glob("*/result.json")
+               if path.parent.name not in unfinished}
     checkpoints = {path.parent.name: latest_checkpoint(str(path)) for path in jobs.glob("*/checkpoints")}
     resumed = run_sweep(storage, resume=True)
     return interrupted, Snapshot(written, checkpoints), resumed
@@ -133,10 +138,11 @@ def test_an_interrupted_trial_continues_from_its_jobs_checkpoint(sweeps):
     row = resumed.dataframe.set_index("trial_id").loc[trial_id]
     assert row["status"] == "completed" and row["steps"] == STEPS
     events = json.loads((Path(row["run_dir"]) / "result.json").read_text())["events"]
-    checkpoint = snapshot.checkpoints.get(trial_id)
+    checkpoint = snapshot.checkpoints[trial_id]
+    assert checkpoint is not None and checkpoint.manifest.step >= CHECKPOINT_EVERY
     resumed_at = [e["step"] for e in events if e["type"] == "resumed"]
-    if checkpoint is not None:  # (a write racing the kill of the stopped job's workers may add a newer one)
-        assert len(resumed_at) == 1 and resumed_at[0] >= checkpoint.manifest.step, (checkpoint, events)
+    # (a write racing the kill of the stopped job's workers may add a newer one)
+    assert len(resumed_at) == 1 and resumed_at[0] >= checkpoint.manifest.step, (checkpoint, events)
 
 
 def test_an_existing_sweep_is_only_continued_on_purpose(sweeps, tmp_path):

@@ -140,3 +140,37 @@ def test_registry_loads_builtin_workloads():
 def test_registry_errors_are_value_errors(name, options, message):
     with pytest.raises(ValueError, match=message):
         load_workload(name, options)
+
+
+BROKEN_MODULES = {
+    "syntax": ("def build_model(:\n", ["SyntaxError", "invalid syntax", "line 1"]),
+    "raises": ("import os\nraise RuntimeError('no data at /data/train')\n",
+               ["RuntimeError: no data at /data/train", "raises.py:2"]),
+    "needs": ("import not_installed_anywhere\n", ["ModuleNotFoundError", "not_installed_anywhere", "needs.py:1"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(BROKEN_MODULES))
+def test_a_workload_module_that_fails_on_import_is_named_with_its_error(tmp_path, monkeypatch, kind):
+    source, fragments = BROKEN_MODULES[kind]
+    module = f"broken_{kind}_{tmp_path.name}"  # a fresh name: nothing cached in sys.modules
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as raised:
+        load_workload(f"{module}:Workload")
+    message = str(raised.value).replace(module, kind)
+    assert message.startswith(f"workload.name='{kind}:Workload': importing module '{kind}' raised"), message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_a_workload_constructor_that_raises_is_named_with_its_error(tmp_path, monkeypatch):
+    (tmp_path / "needs_data.py").write_text(
+        "from workloads.digits import Digits\n\n"
+        "class NeedsData(Digits):\n"
+        "    def __init__(self, path='/data/train.bin'):\n"
+        "        raise FileNotFoundError(path)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"workload 'needs_data:NeedsData': constructing NeedsData\(\*\*\{\}\) "
+                                         r"raised FileNotFoundError: /data/train.bin \(.*needs_data.py:5\)"):
+        load_workload("needs_data:NeedsData")

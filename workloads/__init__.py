@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import traceback
 
 from workloads.protocol import REQUIRED_METHODS, Workload
 
@@ -25,9 +26,13 @@ def resolve_workload_class(name: str) -> type:
         raise ValueError(f"workload.name={name!r} is not {allowed}")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"workload.name={name!r}: cannot import module {module_name!r} ({error}); "
-                         f"expected {allowed}") from error
+    except Exception as error:
+        if isinstance(error, ModuleNotFoundError) and f"{module_name}.".startswith(f"{error.name}."):
+            raise ValueError(f"workload.name={name!r}: cannot import module {module_name!r} ({error}); "
+                             f"expected {allowed}") from error
+        # The module exists but fails as it runs (a bug, a missing dependency): say what it raised, and where.
+        raise ValueError(f"workload.name={name!r}: importing module {module_name!r} raised "
+                         f"{_described(error)}") from error
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
         raise ValueError(f"workload.name={name!r}: module {module_name!r} has no class {class_name!r}")
@@ -48,3 +53,16 @@ def load_workload(name: str, options: dict | None = None) -> Workload:
         return cls(**(options or {}))
     except TypeError as error:
         raise ValueError(f"workload.options for {name!r} are not accepted: {error}") from error
+    except ValueError:
+        raise  # the workload's own check of its options names them already
+    except Exception as error:
+        raise ValueError(f"workload {name!r}: constructing {cls.__name__}(**{options or {}}) raised "
+                         f"{_described(error)}") from error
+
+
+def _described(error: Exception) -> str:
+    """``Type: message (file:line)`` of where ``error`` was raised - the user's own code, usually."""
+    if isinstance(error, SyntaxError):  # its message already names the file and line
+        return f"{type(error).__name__}: {error}"
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{type(error).__name__}: {error} ({frame.filename}:{frame.lineno})"

@@ -9,7 +9,7 @@ kind         what travels per bucket and rank            bytes vs float32  paper
 none         float32 all-reduce (DDP's own result)       1x                -
 fp16/bf16    16-bit all-reduce                           2x less           Micikevicius 2018
 powersgd     rank-r P and Q per matrix, error feedback   ~(nm)/(r(n+m))    Vogels et al. 2019
-topk         k values + int32 indices, error feedback    50x at 1%         Stich 2018, Lin 2018
+topk         k values + int32 indices, error feedback    10x at 5%         Stich 2018, Lin 2018
 onebit       packed signs + 1 scale, error feedback      ~32x              Seide 2014, Tang 2021
 int8         int8 values + 1 scale                       ~4x               Dettmers 2016
 ===========  ==========================================  ================  ===================
@@ -74,8 +74,8 @@ class CompressionOptions:
     powersgd_start_iter: int = 10
     """Uncompressed all-reduce iterations before PowerSGD starts, counted per DDP (>= 2: torch
     needs DDP's buckets rebuilt first when error feedback is on)."""
-    topk_fraction: float = 0.01
-    """Fraction of each bucket's entries top-k sends, in (0, 1]; 0.01 sends 1% (50x fewer bytes)."""
+    topk_fraction: float = 0.05
+    """Fraction of each bucket's entries top-k sends, in (0, 1]; 0.05 sends 5% (10x fewer bytes)."""
     onebit_warmup_steps: int = 50
     """Optimizer steps of full-precision all-reduce before 1-bit compression starts (>= 0); 1-bit
     Adam uses ~15-25% of training, so the variance estimates settle before compressing."""

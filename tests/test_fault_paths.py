@@ -1,0 +1,176 @@
+"""The fault paths real jobs hit, on a real local Ray (gloo): who is to blame, what is counted, what ends a run.
+
+A lost or hung worker is replaced and the run carries on; an error of the job itself ends the run at
+once with its traceback; every wait on a worker is bounded; a replicated run that loses every worker
+goes on from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+import ray
+
+from actors.controller import RunFailed
+from cluster.job import train
+from strategies.checkpoint import latest_checkpoint
+from tests.fault_workloads import marker_path
+from tests.helpers import assert_states_close, job, load_model
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+STEPS = 30
+BASE = (f"training.steps={STEPS}", "scaling.min_workers=2", "scaling.max_workers=2", "failure.step_timeout_s=4")
+
+
+def events_of(result_or_run_dir, kind: str) -> list[dict]:
+    events = (json.loads((result_or_run_dir / "result.json").read_text())["events"]
+              if not hasattr(result_or_run_dir, "events") else result_or_run_dir.events)
+    return [e for e in events if e["type"] == kind]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("undisturbed")
+    train(job(*BASE, name="undisturbed"), run_dir=run_dir)
+    return load_model(run_dir)
+
+
+def test_a_bug_in_the_workload_fails_the_run_at_once_with_its_traceback(tmp_path):
+    run_dir = tmp_path / "bug"
+    config = job(*BASE, "workload.name=tests.fault_workloads:BuggyDigits", "workload.options={step: 8, rank: 1}",
+                 name="bug")
+    with pytest.raises(RunFailed) as raised:
+        train(config, run_dir=run_dir)
+    message = str(raised.value)
+    assert "shapes do not match in the user's loss" in message and "Traceback" in message
+    assert "fault_workloads.py" in message  # the user's own frame, not only the first line
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "failed" and result["final_step"] == 7
+    failed = events_of(run_dir, "worker_failed")
+    assert len(failed) == 1 and "shapes do not match" in failed[0]["traceback"]
+    assert failed[0]["time_s"] - result["history"][-1]["time_s"] < 5  # not waited out, not retried
+    assert not events_of(run_dir, "generation_formed")[1:]  # never re-formed: nothing was retried
+
+
+def test_workers_lost_together_count_as_one_failure(tmp_path, undisturbed):
+    faults = "faults=[{action: kill, rank: 1, step: 12}, {action: kill, rank: 2, step: 12}]"
+    config = job(*BASE, "scaling.min_workers=1", "scaling.max_workers=3", faults, "failure.max_failures=1",
+                 name="together")
+    result = train(config, run_dir=tmp_path / "together")  # as a node with two workers lost
+    assert len(events_of(result, "worker_failed")) == 2
+    assert_states_close(load_model(tmp_path / "together"), undisturbed)
+
+
+def test_replicated_run_losing_every_worker_goes_on_from_its_checkpoint(tmp_path, undisturbed):
+    run_dir = tmp_path / "all"
+    faults = "faults=[{action: kill, rank: 0, step: 17}, {action: kill, rank: 1, step: 17}]"
+    result = train(job(*BASE, faults, "checkpoint.every_steps=5", "checkpoint.num_to_keep=2", name="all"),
+                   run_dir=run_dir)
+    formed = events_of(result, "generation_formed")
+    assert [e["state_source"] for e in formed[1:]] == ["checkpoint"] and formed[1]["step"] == 15
+    assert_states_close(load_model(run_dir), undisturbed)
+    assert latest_checkpoint(run_dir / "checkpoints").manifest.step == STEPS  # its new checkpoints are kept
+
+
+def test_a_hung_worker_is_blamed_not_the_peers_that_timed_out_waiting_for_it(tmp_path, undisturbed):
+    run_dir = tmp_path / "hang"
+    config = job(*BASE, "workload.name=tests.fault_workloads:HangingDigits",
+                 f"workload.options={{step: 10, rank: 1, marker: {marker_path(tmp_path, 'hang')}}}",
+                 "failure.collective_timeout_s=3", name="hang")
+    result = train(config, run_dir=run_dir)
+    failed = events_of(result, "worker_failed")
+    assert len(failed) == 1 and failed[0]["reason"].startswith("hung")
+    assert failed[0]["worker"] == "raylastic:hang:worker2"  # rank 1: the one stuck in its step
+    assert_states_close(load_model(run_dir), undisturbed)
+
+
+def test_a_step_that_never_ends_is_caught_by_the_watchdog(tmp_path):
+    run_dir = tmp_path / "alone"
+    config = job(f"training.steps={STEPS}", "scaling.min_workers=1", "scaling.max_workers=1",
+                 "workload.name=tests.fault_workloads:HangingDigits",
+                 f"workload.options={{step: 10, rank: 0, marker: {marker_path(tmp_path, 'alone')}}}",
+                 "failure.max_step_s=3", "checkpoint.every_steps=5", name="alone")
+    result = train(config, run_dir=run_dir)
+    failed = events_of(result, "worker_failed")
+    assert len(failed) == 1 and "failure.max_step_s=3" in failed[0]["reason"]
+    assert result.final_step == STEPS
+
+
+def test_a_restore_refuses_another_jobs_checkpoint(tmp_path):
+    other = tmp_path / "other"
+    train(job(*BASE, "training.steps=11", "training.seed=7", "checkpoint.every_steps=11", name="other"),
+          run_dir=other)
+    planted = latest_checkpoint(other / "checkpoints").path
+    run_dir = tmp_path / "mine"
+
+    def plant(progress: dict) -> None:  # another job's state appears while this run trains, as its newest
+        target = run_dir / "checkpoints" / "step_00000011"
+        if progress["generation"] == 0 and not target.exists():
+            shutil.copytree(planted, target)
+
+    config = job(*BASE, "strategy.name=zero2", "checkpoint.every_steps=5", "faults=[{action: kill, rank: 1, step: 12}]",
+                 "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.2}", name="mine")
+    with pytest.raises(RunFailed, match="written by a job with another"):
+        train(config, run_dir=run_dir, on_progress=plant)
+
+
+def test_the_first_generation_waits_for_a_slow_worker_to_start(tmp_path, undisturbed):
+    config = job(*BASE, "workload.name=tests.fault_workloads:SlowStartDigits",
+                 f"workload.options={{delay_s: 6, marker: {marker_path(tmp_path, 'slow')}}}",
+                 "failure.collective_timeout_s=2", name="slow")
+    result = train(config, run_dir=tmp_path / "slow")
+    assert not events_of(result, "worker_failed")
+    assert_states_close(load_model(tmp_path / "slow"), undisturbed)
+
+
+def test_a_stop_asked_while_the_group_forms_is_not_lost(tmp_path):
+    run_dir = tmp_path / "stop"
+    config = job("training.steps=2000", "scaling.min_workers=1", "scaling.max_workers=1", "strategy.name=zero2",
+                 "workload.name=tests.fault_workloads:SlowBuildDigits", "workload.options={delay_s: 3}", name="stop")
+    asked = threading.Event()
+
+    def stop_at_once(progress: dict) -> None:
+        if not asked.is_set():
+            asked.set()
+            ray.get_actor("raylastic:stop:controller").stop.remote()
+
+    started = time.monotonic()
+    with pytest.raises(RunFailed, match="stopped by the user"):
+        train(config, run_dir=run_dir, on_progress=stop_at_once)
+    assert time.monotonic() - started < 30
+    assert json.loads((run_dir / "result.json").read_text())["final_step"] == 0
+
+
+def test_a_receiver_whose_source_is_lost_mid_hand_over_rebuilds_its_state(tmp_path):
+    from actors.worker import TrainWorkerActor, WorkerSpec
+    from strategies.checkpoint import Checkpointer
+    from strategies.process_group import GroupAssignment, host_store, new_store_prefix
+
+    config = job("training.steps=3", name="handover")
+    spec = WorkerSpec(workload=config.workload, training=config.training, optim=config.optim,
+                      strategy=config.strategy, data=config.data, eval=config.eval, use_gpu=False, torch_threads=1,
+                      checkpointer=Checkpointer(root=str(tmp_path / "ckpt"), every_steps=0, num_to_keep=1,
+                                                config_hash="h", global_batch_size=config.training.global_batch_size))
+    source, receiver = (TrainWorkerActor.options(num_cpus=0.5, max_concurrency=2).remote(spec) for _ in range(2))
+    ip = ray.util.get_node_ip_address()
+    store, prefix = host_store(ip), new_store_prefix()
+
+    def assignment(generation: int, rank: int, world_size: int) -> GroupAssignment:
+        return GroupAssignment(generation=generation, rank=rank, world_size=world_size, store_host=ip,
+                               store_port=store.port, store_prefix=prefix, timeout_s=10)
+
+    ray.get([source.join.remote(assignment(0, 0, 2)), receiver.join.remote(assignment(0, 1, 2))])
+    ray.get([source.train.remote(3), receiver.train.remote(3)])
+    while ray.get(receiver.poll.remote(1.0)).phase != "finished":
+        pass
+    ray.kill(source)  # gone before it sent anything: the receiver's hand-over fails part way
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray.get(receiver.sync_state.remote(0), timeout=60)
+    report = ray.get(receiver.join.remote(assignment(1, 0, 1)), timeout=60)
+    assert report.step == 0  # not 3: the half-received state is never offered as a source
+    ray.kill(receiver)
