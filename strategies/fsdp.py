@@ -9,8 +9,8 @@ the root. FSDP2 averages gradients over ranks like DDP, so the step loop's loss 
 same. On GPUs, DTensor collectives use NCCL; FSDP2's CPU offload (``offload``) keeps parameters
 and optimizer state in host memory.
 
-Each generation's mesh is new in two ways DTensor's caches make necessary (issue 16 item 17, see
-``generation_mesh`` and ``release_group_with``): it equals no earlier mesh of the process, and it
+Each generation's mesh is new in two ways DTensor's caches make necessary (see ``generation_mesh``
+and ``release_group_with``): it equals no earlier mesh of the process, and it
 lets go of its process group when the model it was made for is freed.
 """
 
@@ -79,8 +79,8 @@ def generation_mesh(device: torch.device) -> DeviceMesh:
     DeviceMesh equality and hash leave out this process's place in the mesh, and DTensor caches the
     output specs of its ops by mesh - ``nn.Parameter``'s ``detach`` in ``fully_shard``, a state dict's,
     Adam's ``zeros_like`` - per thread, in threads that outlive a group (a Ray actor's). Under an equal
-    mesh, a rank that had another place in an earlier group of the same size got that group's mesh
-    back, so its shards were saved and loaded at another rank's offsets (DCP: "Failed to validate global
+    mesh, a rank that had another place in an earlier group of the same size would get that group's
+    mesh back, so its shards would be saved and loaded at another rank's offsets (DCP: "Failed to validate global
     plan ... invalid fill").
 
     Example (a strategy's ``setup``, once the generation's group is joined)::
@@ -100,8 +100,8 @@ def release_group_with(owner: object, mesh: DeviceMesh) -> None:
     The mesh holds it for torch.compile only (collectives look a group up by name), and DTensor's caches
     keep meshes alive long after the state they were made for. A destroyed gloo group that is still held
     keeps its connections open, so a rank blocked in one of its collectives - one not next to a lost
-    peer in gloo's ring - waited out failure.collective_timeout_s instead of failing when the survivors
-    left the group.
+    peer in gloo's ring - would wait out failure.collective_timeout_s instead of failing when the
+    survivors leave the group.
     """
     weakref.finalize(owner, mesh._pg_registry.clear)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
+import ray
 import torch
 
 from cluster.loading import load_job_config
@@ -53,3 +55,15 @@ def with_ctrl_c_enabled(command: list[str]) -> list[str]:
     """
     reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
     return [sys.executable, "-c", reset, *command]
+
+
+def wait_until_gone(actor_name: str, timeout_s: float = 30) -> None:
+    """Wait until no actor is named ``actor_name`` (in the connected Ray); fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(actor_name)
+        except ValueError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{actor_name} is still there after {timeout_s:.0f}s")

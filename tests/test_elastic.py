@@ -21,7 +21,7 @@ from cluster.job import train
 from strategies.checkpoint import latest_checkpoint
 from strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT
-from tests.helpers import applied_samples, assert_states_close, job, load_model, with_ctrl_c_enabled
+from tests.helpers import applied_samples, assert_states_close, job, load_model, wait_until_gone, with_ctrl_c_enabled
 from workloads.digits import Digits
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -153,7 +153,7 @@ def test_driver_killed_then_same_command_resumes_from_checkpoint(tmp_path, refer
         time.sleep(0.2)
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
-    _wait_until_gone("raylastic:driver:controller")
+    wait_until_gone("raylastic:driver:controller")
 
     result = train(job(*overrides, name="driver"), run_dir=run_dir)
     resumed = next(e for e in result.events if e["type"] == "resumed")
@@ -167,17 +167,6 @@ def test_driver_killed_then_same_command_resumes_from_checkpoint(tmp_path, refer
 class _Blocker:
     def ready(self) -> bool:
         return True
-
-
-def _wait_until_gone(actor_name: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(actor_name)
-        except ValueError:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{actor_name} outlived its driver")
 
 
 def test_zero3_worker_killed_restores_lost_shards_from_checkpoint(tmp_path, reference):
@@ -213,7 +202,7 @@ def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
     assert driver.returncode == 1
     assert "interrupted" in stderr and "Traceback" not in stderr
     for name in ("controller", "worker1", "worker2"):
-        _wait_until_gone(f"raylastic:interrupted:{name}")
+        wait_until_gone(f"raylastic:interrupted:{name}")
 
 
 def test_below_min_workers_the_run_waits_for_a_replacement(tmp_path, reference):

@@ -17,7 +17,7 @@ import ray
 from actors.controller import RunFailed
 from cluster.job import train
 from strategies.checkpoint import latest_checkpoint, read_manifest
-from tests.helpers import job
+from tests.helpers import job, wait_until_gone
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -31,17 +31,6 @@ def strict_json(path: Path) -> dict:
         raise AssertionError(f"{path} holds a bare {constant}, which is not JSON")
 
     return json.loads(path.read_text(), parse_constant=refuse)
-
-
-def wait_until_gone(actor_name: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(actor_name)
-        except ValueError:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{actor_name} is still there")
 
 
 class Background:
