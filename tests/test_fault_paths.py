@@ -11,15 +11,19 @@ import json
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import ray
 
 from actors.controller import RunFailed
+from actors.worker import TrainWorkerActor, WorkerSpec
 from cluster.job import train
-from strategies.checkpoint import latest_checkpoint
+from strategies.checkpoint import Checkpointer, latest_checkpoint
+from strategies.process_group import GroupAssignment, host_store, new_store_prefix
 from tests.fault_workloads import marker_path
 from tests.helpers import assert_states_close, job, load_model
+from workloads.digits import Digits
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -146,31 +150,69 @@ def test_a_stop_asked_while_the_group_forms_is_not_lost(tmp_path):
     assert json.loads((run_dir / "result.json").read_text())["final_step"] == 0
 
 
-def test_a_receiver_whose_source_is_lost_mid_hand_over_rebuilds_its_state(tmp_path):
-    from actors.worker import TrainWorkerActor, WorkerSpec
-    from strategies.checkpoint import Checkpointer
-    from strategies.process_group import GroupAssignment, host_store, new_store_prefix
+@dataclass
+class BareWorkers:
+    """TrainWorker actors driven directly, as the Controller drives them, around one rendezvous store."""
 
-    config = job("training.steps=3", name="handover")
+    actors: list
+    store: object
+    prefix: str
+    ip: str
+
+    def assignment(self, generation: int, rank: int, world_size: int, timeout_s: float = 10) -> GroupAssignment:
+        return GroupAssignment(generation=generation, rank=rank, world_size=world_size, store_host=self.ip,
+                               store_port=self.store.port, store_prefix=self.prefix, timeout_s=timeout_s)
+
+    def join_all(self, generation: int = 0) -> None:
+        ray.get([a.join.remote(self.assignment(generation, rank, len(self.actors)))
+                 for rank, a in enumerate(self.actors)])
+
+
+def bare_workers(tmp_path, count: int, *overrides: str) -> BareWorkers:
+    config = job("training.steps=3", *overrides, name="bare")
     spec = WorkerSpec(workload=config.workload, training=config.training, optim=config.optim,
                       strategy=config.strategy, data=config.data, eval=config.eval, use_gpu=False, torch_threads=1,
                       checkpointer=Checkpointer(root=str(tmp_path / "ckpt"), every_steps=0, num_to_keep=1,
                                                 config_hash="h", global_batch_size=config.training.global_batch_size))
-    source, receiver = (TrainWorkerActor.options(num_cpus=0.5, max_concurrency=2).remote(spec) for _ in range(2))
+    actors = [TrainWorkerActor.options(num_cpus=0.5, max_concurrency=2).remote(spec) for _ in range(count)]
     ip = ray.util.get_node_ip_address()
-    store, prefix = host_store(ip), new_store_prefix()
+    return BareWorkers(actors, host_store(ip), new_store_prefix(), ip)
 
-    def assignment(generation: int, rank: int, world_size: int) -> GroupAssignment:
-        return GroupAssignment(generation=generation, rank=rank, world_size=world_size, store_host=ip,
-                               store_port=store.port, store_prefix=prefix, timeout_s=10)
 
-    ray.get([source.join.remote(assignment(0, 0, 2)), receiver.join.remote(assignment(0, 1, 2))])
+def test_a_receiver_whose_source_is_lost_mid_hand_over_rebuilds_its_state(tmp_path):
+    workers = bare_workers(tmp_path, 2)
+    source, receiver = workers.actors
+    workers.join_all()
     ray.get([source.train.remote(3), receiver.train.remote(3)])
     while ray.get(receiver.poll.remote(1.0)).phase != "finished":
         pass
     ray.kill(source)  # gone before it sent anything: the receiver's hand-over fails part way
     with pytest.raises(ray.exceptions.RayTaskError):
         ray.get(receiver.sync_state.remote(0), timeout=60)
-    report = ray.get(receiver.join.remote(assignment(1, 0, 1)), timeout=60)
+    report = ray.get(receiver.join.remote(workers.assignment(1, 0, 1)), timeout=60)
     assert report.step == 0  # not 3: the half-received state is never offered as a source
     ray.kill(receiver)
+
+
+def test_the_full_model_is_gathered_on_every_rank_and_returned_by_one(tmp_path):
+    workers = bare_workers(tmp_path, 2, "strategy.name=zero3")
+    workers.join_all()
+    first, second = ray.get([workers.actors[0].full_state_dict.remote(True),
+                             workers.actors[1].full_state_dict.remote(False)])
+    assert second is None  # what the Controller receives: one copy, not one per rank
+    assert first["0.weight"].shape == Digits().build_model().state_dict()["0.weight"].shape  # gathered whole
+    for actor in workers.actors:
+        ray.kill(actor)
+
+
+def test_a_join_gives_up_on_a_training_thread_that_never_ends(tmp_path):
+    workers = bare_workers(tmp_path, 1, "workload.name=tests.fault_workloads:HangingDigits",
+                           f"workload.options={{step: 2, rank: 0, marker: {marker_path(tmp_path, 'join')}}}")
+    (worker,) = workers.actors
+    workers.join_all()
+    ray.get(worker.train.remote(3))
+    started = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match="TrainingThreadHung"):
+        ray.get(worker.join.remote(workers.assignment(1, 0, 1, timeout_s=1)), timeout=60)
+    assert time.monotonic() - started < 20  # bounded by the collective timeout and the grace, not forever
+    ray.kill(worker)
