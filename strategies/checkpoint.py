@@ -9,7 +9,7 @@ is never loaded: the loader falls back to the previous complete checkpoint. A co
 deleted only by pruning, once a newer one (a higher step, written later) is complete. The state dict
 is the strategies' canonical layout (strategies/base.py), so a checkpoint saved by any strategy at
 any world size loads into any other. Checkpoints hold tensors only; DCP's small pickled
-``.metadata`` is read with an unpickler that allows only DCP's own metadata classes, so loading a
+``.metadata`` is read by strategies/checkpoint_metadata.py, which allows only DCP's own classes, so loading a
 checkpoint cannot run arbitrary code. ``root`` is a local or shared path, or an fsspec URL
 (``s3://bucket/run``, ``memory://`` ...).
 
@@ -41,10 +41,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
+
+from strategies.checkpoint_metadata import load_metadata, safe_reader
 
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
@@ -241,7 +243,7 @@ def _problem(directory: str, manifest: CheckpointManifest) -> str | None:
             return f"{name} does not match its checksum"
     try:
         with fs.open(f"{path}/{METADATA_NAME}", "rb") as handle:
-            metadata = _load_metadata(handle)
+            metadata = load_metadata(handle)
     except pickle.UnpicklingError as error:
         return f"{METADATA_NAME} is refused: {error}"
     unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - manifest.files.keys())
@@ -287,7 +289,7 @@ def load_into(state_dict: dict[str, Any], directory: str, group: dist.ProcessGro
     they are."""
     planner = DefaultLoadPlanner(allow_partial_load=True) if partial else None
     try:
-        dcp.load(state_dict, storage_reader=_reader(directory), planner=planner, process_group=group)
+        dcp.load(state_dict, storage_reader=safe_reader(directory), planner=planner, process_group=group)
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
         raise CheckpointLoadError(f"could not load checkpoint {directory}: {_cause(error)}") from error
 
@@ -323,62 +325,6 @@ def _is_url(path: str) -> bool:
 
 def _writer(directory: str) -> FileSystemWriter | FsspecWriter:
     return FsspecWriter(directory) if _is_url(directory) else FileSystemWriter(directory, sync_files=True)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP pickles its ``.metadata``; unpickle only the plain classes that file is made of, so a planted
-    checkpoint cannot run code (the manifest's checksums cannot help if it is planted too). The list is
-    what DCP's metadata of every strategy's checkpoints holds (torch 2.13), and tensors' dtypes."""
-
-    ALLOWED = {("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # the latter: Python 3.13+
-               ("torch", "Size"), ("torch.serialization", "_get_layout"),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-               *(("torch.distributed.checkpoint.metadata", name) for name in (
-                   "Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorStorageMetadata",
-                   "TensorProperties", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata")),
-               *(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))}
-    """BytesStorageMetadata unpickles only to be refused with its reason (see ``_load_metadata``)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.ALLOWED:  # exact names: a dotted one ("os.system") is never among them
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-def _load_metadata(handle: Any) -> Metadata:
-    """DCP's ``.metadata`` from ``handle``, refused unless it is DCP's plain classes and tensors only."""
-    metadata = _MetadataUnpickler(handle).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"checkpoint metadata is a {type(metadata).__name__}, not DCP's Metadata")
-    for key, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, BytesStorageMetadata):  # DCP would torch.load(weights_only=False) those bytes
-            raise pickle.UnpicklingError(f"checkpoint metadata stores {key!r} as pickled bytes, which loading "
-                                         "would unpickle (running any code in them); checkpoints hold tensors only")
-    return metadata
-
-
-class _SafeMetadata:
-    """Mixed into DCP's readers: read ``.metadata`` with the restricted unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as handle:
-            metadata = _load_metadata(handle)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _SafeFileSystemReader(_SafeMetadata, FileSystemReader):
-    pass
-
-
-class _SafeFsspecReader(_SafeMetadata, FsspecReader):
-    pass
-
-
-def _reader(directory: str) -> FileSystemReader | FsspecReader:
-    return _SafeFsspecReader(directory) if _is_url(directory) else _SafeFileSystemReader(directory)
 
 
 def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:

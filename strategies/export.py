@@ -15,7 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from strategies.checkpoint import _reader, read_manifest, verify
+from strategies.checkpoint import read_manifest, verify
+from strategies.checkpoint_metadata import safe_reader
 
 MODEL_PREFIX = "model."
 
@@ -28,14 +29,14 @@ def load_full_model_state(directory: str) -> dict[str, torch.Tensor]:
     problem = verify(directory, manifest)
     if problem is not None:
         raise ValueError(f"{directory} is damaged: {problem}")
-    reader = _reader(directory)
+    reader = safe_reader(directory)
     metadata = reader.read_metadata()
     state = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
              for key, entry in metadata.state_dict_metadata.items()
              if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=_reader(directory), no_dist=True)
+        dcp.load(state, storage_reader=safe_reader(directory), no_dist=True)
     return {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in state.items()}
 
 

@@ -127,9 +127,9 @@ def test_checkpoint_metadata_that_would_run_code_is_refused(two_checkpoints, tmp
 
 
 def _read_metadata(directory: str):
-    from strategies.checkpoint import _reader
+    from strategies.checkpoint_metadata import safe_reader
 
-    return _reader(directory).read_metadata()
+    return safe_reader(directory).read_metadata()
 
 
 def test_checkpoints_go_through_fsspec_urls(tmp_path):

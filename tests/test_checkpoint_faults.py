@@ -24,7 +24,6 @@ from strategies.checkpoint import (
     MANIFEST_NAME,
     Checkpointer,
     CheckpointLoadError,
-    _reader,
     complete_checkpoints,
     load_into,
     newest_loadable,
@@ -32,6 +31,7 @@ from strategies.checkpoint import (
     verify,
     write_manifest,
 )
+from strategies.checkpoint_metadata import safe_reader
 from strategies.export import load_full_model_state
 from tests.distributed_harness import run_distributed
 
@@ -176,14 +176,14 @@ def test_metadata_naming_a_dotted_global_is_refused_and_runs_nothing(planted):
     assert [r.path for r in rejected] == [str(newest)]
     assert "torch.distributed.checkpoint.metadata.os.system, which is not allowed" in rejected[0].reason
     with pytest.raises(pickle.UnpicklingError, match="os.system, which is not allowed"):
-        _reader(str(newest)).read_metadata()
+        safe_reader(str(newest)).read_metadata()
     assert not marker.exists()
 
 
 def test_metadata_storing_an_entry_as_pickled_bytes_is_refused_and_runs_nothing(planted):
     root, marker = planted
     newest = root / "step_00000002"
-    metadata = _reader(str(newest)).read_metadata()
+    metadata = safe_reader(str(newest)).read_metadata()
     metadata.state_dict_metadata["model.w"] = BytesStorageMetadata()  # DCP would torch.load(weights_only=False) it
     planted_bytes = _torch_saved(RunsCode(f"touch {marker}"))
     (newest / "__9_0.distcp").write_bytes(planted_bytes)
