@@ -1,20 +1,19 @@
-"""Controller: owns one run - its workers, generations, failures, rescaling and checkpoints.
+"""Controller: owns one run, as a state machine over a WorkerGroup.
 
-It executes; the policies in ``actors.policies`` decide. A run is a loop of generations::
+The states are in ``actors.run_states`` (placing, forming, running, resizing, recovering,
+waiting_for_workers, finishing, and the ends finished, failed, stopped); ``advance`` takes one
+transition, ``run`` takes them until an end. Each state's action executes through the WorkerGroup;
+every decision (how many workers, whether a failure is one too many, what a poll of the training
+group means, where a generation's state comes from) is taken by a pure policy in ``actors.policies``.
 
-    place >= min_workers -> form generation g (join group, hand state over) -> train + watch
-          ^                                                                      |
-          +-- workers failed / new workers ready / workers drained --------------+
-
-Survivors are never restarted: they leave the broken group and join generation g+1 in the
-same process, and the most advanced state among them is broadcast to everyone. The
-Controller is a threaded actor: ``run`` blocks in one thread while ``progress`` and ``drain``
-answer from others.
+Survivors are never restarted: they leave the broken group and join generation g+1 in the same
+process, and the most advanced state among them is broadcast to everyone. The Controller is a
+threaded actor: ``run`` blocks in one thread while ``progress``, ``drain`` and ``stop`` answer
+from others.
 """
 
 from __future__ import annotations
 
-import re
 import time
 import traceback
 from dataclasses import dataclass
@@ -24,24 +23,51 @@ from typing import Any
 import ray
 
 from actors.events import RunLog
-from actors.failures import is_peer_loss
-from actors.membership import Member, Membership
-from actors.placement import ReservedSlots, SlotShape, WorkerSlots
-from actors.policies import FailurePolicy, Raise, Resize, ScalingPolicy, ScalingState
+from actors.faults import FaultPlan
+from actors.group_status import GroupStatus, LostWorker, RunStatus
+from actors.placement import ReservedBundles
+from actors.policies import (
+    AllStopped,
+    FailurePolicy,
+    FromCheckpoint,
+    FromRank,
+    GenerationFinished,
+    GenerationJudge,
+    JobError,
+    KeepTraining,
+    Raise,
+    Resize,
+    ScalingPolicy,
+    ScalingState,
+    Verdict,
+    choose_state_source,
+    members_lack_newest_state,
+    workers_missing,
+)
+from actors.run_checkpoints import ForeignCheckpoint, RunCheckpoints
 from actors.run_metrics import RunMetrics
-from actors.watch import Finished, Interrupted, JobFailed, Watcher, WorkersFailed, death_reason
-from actors.worker import TrainingThreadHung, WorkerSpec
-from cluster.config import FaultConfig, JobConfig
+from actors.run_states import (
+    STOPPABLE,
+    TERMINAL,
+    Failed,
+    Finished,
+    Finishing,
+    Forming,
+    Placing,
+    Recovering,
+    Resizing,
+    Running,
+    RunState,
+    Stopped,
+    WaitingForWorkers,
+)
+from actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
+from cluster.config import JobConfig
 from strategies import build_strategy
-from strategies.checkpoint import Checkpoint, Checkpointer, latest_checkpoint, newest_loadable, read_manifest
-from strategies.process_group import GroupAssignment, host_store, new_store_prefix
+from strategies.checkpoint import Checkpoint, Checkpointer, read_manifest
 
-START_GRACE_S = 1.0
-"""After min_workers are placed, how long the start waits for the rest of max_workers."""
-COLLECTIVE_GRACE_S = 5.0
-"""Beyond failure.collective_timeout_s: how long members may take to give up on a dead peer."""
-JOIN_RENDEZVOUS = 3
-"""Rendezvous a join holds (the group, the checkpoint group, the node ids): each may wait one collective timeout."""
+WAIT_SLICE_S = 1.0
+"""While waiting for workers, how long one wait lasts before a stop request is looked at again."""
 
 
 @dataclass(frozen=True)
@@ -60,414 +86,295 @@ class RunResult:
     """The periodic evaluations (eval.every_steps): ``{"step", "time_s", metrics...}`` each."""
 
 
-@dataclass(frozen=True)
-class ReservedBundles:
-    """Bundles of a placement group reserved for this run's workers (e.g. by a Ray Tune trial)."""
-
-    placement_group: Any
-    bundle_indices: tuple[int, ...]
-
-
 class RunFailed(RuntimeError):
     """The run ended with an error; the message says what failed and where the last checkpoint is."""
 
 
-class MembersFailed(Exception):
-    """A call made on every member found some of them dead or hung (``failed``; empty when every member's
-    collective lost a peer that is nonetheless still there: the group re-forms as it is)."""
-
-    def __init__(self, failed: list[tuple[Member, str]]) -> None:
-        super().__init__("; ".join(f"{member.name} ({reason})" for member, reason in failed))
-        self.failed = failed
-
-
 class Controller:
     def __init__(self, job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None = None,
-                 profile_dir: str | None = None) -> None:
+                 profile_dir: str | None = None, *, group: WorkerGroup | None = None) -> None:
+        """``group``: the workers (built from ``job`` unless given, e.g. a test's fake)."""
         self.job = job
         self.log = RunLog()
         self.metrics = RunMetrics(job.name)
-        self.checkpoint_root = checkpoint_root
-        scaling = job.scaling
-        self.scaling_policy = ScalingPolicy(min_workers=scaling.min_workers, max_workers=scaling.max_workers)
-        self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
+        self.checkpoints = RunCheckpoints(root=checkpoint_root, config_hash=job.math_hash(), log=self.log)
         self.checkpointer = Checkpointer(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
                                          num_to_keep=job.checkpoint.num_to_keep, config_hash=job.math_hash(),
                                          global_batch_size=job.training.global_batch_size,
                                          async_save=job.checkpoint.async_save)
         self.replicated = build_strategy(job.strategy).replicated
-        spec = WorkerSpec(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
-                          data=job.data, eval=job.eval,
-                          use_gpu=scaling.use_gpu, torch_threads=max(1, int(scaling.cpus_per_worker)),
-                          checkpointer=self.checkpointer, profile_dir=profile_dir)
-        shape = SlotShape(cpus=scaling.cpus_per_worker, gpus=int(scaling.use_gpu),
-                          custom=dict(scaling.resources_per_worker))
-        slots = (ReservedSlots(reserved.placement_group, list(reserved.bundle_indices), shape) if reserved
-                 else WorkerSlots(shape, job.name))
-        self.membership = Membership(run_name=job.name, spec=spec, slots=slots,
-                                     cpus=shape.cpus, gpus=shape.gpus, resources=shape.custom)
-        self.node_ip = ray.util.get_node_ip_address()
-        self.store = host_store(self.node_ip)
-        self.store_prefix = new_store_prefix()
-        self.generation = -1
+        self.scaling_policy = ScalingPolicy(min_workers=job.scaling.min_workers, max_workers=job.scaling.max_workers)
+        self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
+        self.judge = GenerationJudge(step_timeout_s=job.failure.step_timeout_s, max_step_s=job.failure.max_step_s,
+                                     collective_timeout_s=job.failure.collective_timeout_s)
+        self.faults = FaultPlan(job.faults)
+        self.group = group or WorkerGroup.for_job(job, self.checkpointer, reserved=reserved, profile_dir=profile_dir)
+        self.state: RunState = Placing()
         self.step = 0
+        """The newest step the run committed."""
         self.failures = 0
-        self.stopping = False
-        self.pending_faults: list[FaultConfig] = list(job.faults)
-        self.recovering_since: float | None = None
-        self.ranked: list[Member] = []
-        """The members of the generation formed last, in rank order."""
-        self.restore_from: Checkpoint | None = None
-        """The checkpoint the next generation loads (resume; sharded state after a failure or resize)."""
-
-    @property
-    def members(self) -> list[Member]:
-        return self.membership.members
+        self.stop_requested = False
+        self._actions = {Placing: self._place, Forming: self._form, Running: self._train, Resizing: self._resize,
+                         Recovering: self._recover, WaitingForWorkers: self._wait_for_workers,
+                         Finishing: self._finish}
 
     # -- public API (the driver, the CLI, an autoscaler, tests) --------------------------------------------
     def run(self) -> RunResult:
         """Train to ``training.steps``; raises RunFailed with the reason when the run cannot go on."""
         try:
-            self._start()
-            while True:
-                self._form_generation()
-                self._unless_stopping()
-                outcome = Watcher(self).watch(until_step=self.job.training.steps)
-                try:
-                    if isinstance(outcome, Finished):
-                        return self._finish()
-                    if isinstance(outcome, Interrupted):
-                        raise self._stopped()
-                    if isinstance(outcome, JobFailed):
-                        self._fail_on_job_error(outcome)
-                    if isinstance(outcome, WorkersFailed):
-                        self._recover(outcome)
-                    else:
-                        self._change_membership()
-                except MembersFailed as lost:  # while finishing or saving before a resize: recover, go on
-                    self._recover(WorkersFailed(lost.failed))
-        except RunFailed:
-            raise
-        except Exception as error:  # a defect of ours: still a failed run with a reason, never a bare traceback
-            raise RunFailed(f"the Controller failed at step {self.step}: {type(error).__name__}: {error}"
-                            f"{self._checkpoint_note()}\n{traceback.format_exc()}") from None
+            while not isinstance(self.state, TERMINAL):
+                self.advance()
         finally:
-            self.membership.shutdown()
+            self.group.shutdown()
             self.log.close()
+        if isinstance(self.state, Finished):
+            return self.state.result
+        if isinstance(self.state, Stopped):
+            raise RunFailed(f"run stopped by the user at step {self.step}{self._checkpoint_note()}")
+        raise RunFailed(self.state.reason)
+
+    def advance(self) -> RunState:
+        """One transition: act in the current state and move to the next. A stop request ends any stoppable
+        state before it acts; a failure of workers in any state leads to recovering."""
+        state = self.state
+        try:
+            if self.stop_requested and isinstance(state, STOPPABLE):
+                following = Stopped()
+            else:
+                following = self._actions[type(state)](state)
+        except MembersFailed as failure:
+            following = Recovering(failure.lost, recovering_since=getattr(state, "recovering_since", None)
+                                   or time.time(), restore=getattr(state, "restore", None))
+        except MemberRaised as error:
+            following = Failed(self._with_checkpoint_note(str(error)))
+        except ForeignCheckpoint as error:
+            following = Failed(str(error))
+        except Exception as error:  # a defect of ours: still a failed run with a reason, never a bare traceback
+            following = Failed(f"the Controller failed at step {self.step} while {state.name}: "
+                               f"{type(error).__name__}: {error}{self._checkpoint_note()}\n{traceback.format_exc()}")
+        self.state = following
+        return following
 
     def progress(self, history_since: int = 0, events_since: int = 0, evaluations_since: int = 0,
-                 wait_s: float = 0.0) -> dict[str, Any]:
-        """New history rows, events and evaluations since the given positions, and the current membership;
-        waits up to ``wait_s`` for an event past ``events_since`` (or the run's end) before answering."""
+                 wait_s: float = 0.0) -> RunStatus:
+        """The run's state, and the history rows, events and evaluations since the given positions; waits up to
+        ``wait_s`` for an event past ``events_since`` (or the run's end) before answering."""
         if wait_s > 0:
             self.log.wait_for_news(events_since, wait_s)
-        return {"history": self.log.history(history_since), "events": self.log.events(events_since),
-                "evaluations": self.log.evaluations(evaluations_since),
-                "generation": self.generation, "world_size": self.membership.size, "step": self.step,
-                "members": [m.name for m in self.members], "failures": self.failures}
+        return RunStatus(state=self.state.name, generation=self.group.generation, world_size=self.group.size,
+                         step=self.step, members=self.group.member_names, failures=self.failures,
+                         history=self.log.history(history_since), events=self.log.events(events_since),
+                         evaluations=self.log.evaluations(evaluations_since))
 
     def drain(self, *, rank: int | None = None, node_id: str | None = None) -> list[str]:
         """Planned removal: the worker of ``rank`` (or every worker on ``node_id``) leaves at the next
         step boundary, with nothing discarded. Returns the names of the workers that will leave."""
-        names = {m.name for r, m in enumerate(self.members) if r == rank or (node_id and m.node_id == node_id)}
-        self.membership.drain(names)
-        return sorted(names)
+        return self.group.drain(rank=rank, node_id=node_id)
 
     def stop(self) -> None:
         """End the run at the next step boundary (Ctrl-C); workers are shut down, nothing orphaned. A stop
         asked while a generation forms or the run waits for workers takes effect as soon as that ends."""
-        self.stopping = True
-        self.request_boundary()
+        self.stop_requested = True
+        self.group.request_boundary()
 
-    def _unless_stopping(self) -> None:
-        if self.stopping:
-            raise self._stopped()
-
-    def _stopped(self) -> RunFailed:
-        return RunFailed(f"run stopped by the user at step {self.step}{self._checkpoint_note()}")
-
-    def request_boundary(self) -> None:
-        for member in self.members:
-            member.actor.request_stop.remote()
-
-    # -- membership -----------------------------------------------------------------------------------------
-    def _start(self) -> None:
+    # -- the states' actions --------------------------------------------------------------------------------
+    def _place(self, state: Placing) -> RunState:
         scaling = self.job.scaling
-        self.membership.slots.request(scaling.max_workers)
-        slots = self.membership.slots.take_ready(scaling.max_workers, at_least=scaling.min_workers,
-                                                 timeout_s=scaling.placement_timeout_s)
-        if len(slots) < scaling.max_workers:  # slots placed together become ready a moment apart
-            slots += self.membership.slots.take_ready(scaling.max_workers - len(slots), at_least=scaling.max_workers
-                                                      - len(slots), timeout_s=START_GRACE_S)
-        self.membership.admit(self.membership.spawn(slots))
-        self._wait_for_construction()
-        self._require_min_workers("could be placed")
-        self._resume_from_checkpoint()
+        for worker in self.group.place(max_workers=scaling.max_workers, min_workers=scaling.min_workers,
+                                       timeout_s=scaling.placement_timeout_s):
+            self.log.event("worker_failed", self.step, worker=worker.name, reason=worker.reason)
+        if workers_missing(min_workers=scaling.min_workers, num_workers=self.group.size):
+            return Failed(self._too_few_workers("could be placed"))
+        return Forming(restore=self._resume_checkpoint())
 
-    def _wait_for_construction(self) -> None:
-        """Every first member has built its workload before the first rendezvous, which would otherwise
-        time out on a slow node's worker. One that could not build it ends the run with its error."""
-        members = list(self.members)
-        ray.wait([m.ready for m in members], num_returns=len(members),
-                 timeout=self.job.scaling.placement_timeout_s)
-        for member in members:
-            try:
-                ray.get(member.ready, timeout=0)
-            except ray.exceptions.RayActorError as error:
-                if error.actor_init_failed:
-                    raise RunFailed(f"worker {member.name} could not start: {_plain(str(error))}") from None
-                self.membership.drop(member)
-                self.log.event("worker_failed", self.step, worker=member.name, reason=death_reason(error))
-            except ray.exceptions.GetTimeoutError:
-                self.membership.drop(member)
-                self.log.event("worker_failed", self.step, worker=member.name, reason=(
-                    f"not started within scaling.placement_timeout_s={self.job.scaling.placement_timeout_s}s"))
+    def _form(self, state: Forming) -> RunState:
+        """Every member joins generation g+1; the state is handed over or restored."""
+        started, before = time.time(), self.step
+        member_steps = [report.step for report in self.group.form(run_step=self.step)]
+        newest = None
+        if self.replicated and state.restore is None and members_lack_newest_state(member_steps, self.step):
+            newest = self.checkpoints.newest(max_step=self.step, at_step=self.step)
+        source = choose_state_source(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
+                                     newest_checkpoint=newest)
+        if isinstance(source, FromCheckpoint):
+            found = source.checkpoint
+            self.checkpoints.require_same_job(found)
+            self.group.call_all("restore", [(found.path, found.manifest.step)] * self.group.size)
+            self.step, label = found.manifest.step, "checkpoint"
+        elif isinstance(source, FromRank):
+            self.step, label = member_steps[source.rank], source.rank
+            self.group.call_all("sync_state", [(source.rank,)] * self.group.size)
+        else:
+            self.step, label = 0, "initialisation"
+        self.log.event("generation_formed", self.step, generation=self.group.generation, world_size=self.group.size,
+                       state_source=label, steps_lost=max(0, before - self.step),
+                       duration_s=round(time.time() - started, 4))
+        return Running(recovering_since=state.recovering_since)
 
-    def _require_min_workers(self, what: str) -> None:
-        scaling = self.job.scaling
-        if self.membership.size < scaling.min_workers:
-            raise RunFailed(
-                f"only {self.membership.size} of scaling.min_workers={scaling.min_workers} workers {what} within "
-                f"scaling.placement_timeout_s={scaling.placement_timeout_s}s (each needs "
-                f"{self.membership.slots.shape.bundle()}); the cluster has {ray.cluster_resources()}"
-                f"{self._checkpoint_note()}")
+    def _train(self, state: Running) -> RunState:
+        """Train the generation, judging every poll, until the judge sees an end."""
+        self.group.start_training(self.job.training.steps, [self.faults.for_rank(r) for r in range(self.group.size)])
+        recovering_since, boundary_requested = state.recovering_since, False
+        while True:
+            status = self.group.poll()
+            recovering_since = self._record(status, recovering_since)
+            verdict = self.judge.decide(status)
+            if not isinstance(verdict, KeepTraining):
+                break
+            if not boundary_requested:
+                boundary_requested = self._consider_scaling(status)
+        final = self.group.end_generation()
+        recovering_since = self._record(final, recovering_since)
+        self.log.close_generation(self.group.generation)
+        return self._after_generation(verdict, final, recovering_since)
 
-    def consider_scaling(self) -> bool:
-        """Start joiners if the policy wants more workers; True when a membership change is ready."""
-        scaling_state = ScalingState(num_workers=self.membership.size + len(self.membership.joining),
-                                     num_placeable=self.membership.slots.count_ready())
-        decision = self.scaling_policy.decide(scaling_state)
-        if isinstance(decision, Resize) and decision.num_workers > scaling_state.num_workers:
-            self.membership.add_joiners(decision.num_workers - scaling_state.num_workers)
-        return bool(self.membership.draining or self.membership.ready_joiners())
+    def _after_generation(self, verdict: Verdict, final: GroupStatus, recovering_since: float | None) -> RunState:
+        if isinstance(verdict, GenerationFinished):
+            return Finishing()
+        if isinstance(verdict, AllStopped):
+            return Resizing()
+        if isinstance(verdict, JobError):
+            for name, error in verdict.errors:
+                self.log.event("worker_failed", self.step, worker=name, reason="raised an error", traceback=error)
+            name, error = verdict.errors[0]
+            return Failed(f"{name} raised an error at step {self.step + 1} (not retried: it is the job's, not a lost "
+                          f"worker){self._checkpoint_note()}\n{error}")
+        named = {worker.name for worker in verdict.lost}  # a lost node takes several workers: every death heard
+        also_dead = [LostWorker(m.name, m.dead, rank) for rank, m in enumerate(final.members)
+                     if m.dead and m.name not in named]
+        return Recovering(verdict.lost + tuple(also_dead), recovering_since=recovering_since or time.time())
 
-    def _change_membership(self) -> None:
-        """At a step boundary: drained workers leave, ready joiners come in. Sharded state is saved
-        by the old group first and loaded, resharded, by the new one: nothing is discarded."""
+    def _consider_scaling(self, status: GroupStatus) -> bool:
+        """Start joiners if the policy wants more workers; True when a membership change was asked for."""
+        current = status.world_size + status.num_joining
+        decision = self.scaling_policy.decide(ScalingState(num_workers=current, num_placeable=status.num_placeable))
+        if isinstance(decision, Resize) and decision.num_workers > current:
+            self.group.add_joiners(decision.num_workers - current)
+        if status.membership_change_ready:
+            self.group.request_boundary()
+            return True
+        return False
+
+    def _resize(self, state: Resizing) -> RunState:
+        """At a step boundary: drained workers leave, ready joiners come in. Sharded state is saved by the old
+        group first and loaded, resharded, by the new one: nothing is discarded."""
+        restore = None
         if not self.replicated:
-            path = self._on_every_member("save_checkpoint")[0]
+            path = self.group.call_all("save_checkpoint")[0]
             self.log.event("checkpointed", self.step, path=path, reason="membership change")
-            self.restore_from = Checkpoint(path, read_manifest(path))
-        for member in self.membership.remove_drained():
-            self.log.event("worker_left", self.step, worker=member.name, reason="drained")
-        self._admit_ready_joiners()
+            restore = Checkpoint(path, read_manifest(path))
+        for name in self.group.remove_drained():
+            self.log.event("worker_left", self.step, worker=name, reason="drained")
+        self._admit_joiners()
+        return Forming(restore=restore)
 
-    def _admit_ready_joiners(self) -> None:
-        joiners = self.membership.ready_joiners()
-        self.membership.admit(joiners)
-        for member in joiners:
-            self.log.event("worker_joined", self.step, worker=member.name)
-
-    def _recover(self, outcome: WorkersFailed) -> None:
-        """Drop the failed workers, ask the policy, keep the survivors and wait for min_workers if needed."""
-        self.recovering_since = self.recovering_since or time.time()
-        for member, reason in outcome.failed:
-            self.membership.drop(member)
-            self.log.event("worker_failed", self.step, worker=member.name, reason=reason)
+    def _recover(self, state: Recovering) -> RunState:
+        """Drop the failed workers, count the failure, keep the survivors; wait for workers below min_workers."""
+        for worker in state.lost:
+            self.group.drop(worker.name)
+            self.log.event("worker_failed", self.step, worker=worker.name, reason=worker.reason)
         self.failures += 1  # one incident, however many workers it took
-        self.metrics.failed(len(outcome.failed))
-        self._disarm_faults([member for member, _ in outcome.failed])
+        self.metrics.failed(len(state.lost))
+        self.faults.disarm({worker.rank for worker in state.lost if worker.rank is not None}, self.step)
         decision = self.failure_policy.decide(self.failures)
         if isinstance(decision, Raise):
-            raise RunFailed(f"{decision.reason}; last failure: {outcome.describe()}{self._checkpoint_note()}")
-        if not self.replicated:  # the failed workers' shards are gone: the group restarts from a checkpoint
-            self.restore_from = self._newest_checkpoint(max_step=self.step)
-        time.sleep(decision.backoff_s)
-        self._unless_stopping()
-        missing = self.job.scaling.min_workers - self.membership.size
-        if missing > 0:
-            self.log.event("waiting_for_resources", self.step, workers=self.membership.size, needed=missing)
-            deadline = time.monotonic() + self.job.scaling.placement_timeout_s
-            self.membership.add_joiners(missing - len(self.membership.joining),
-                                        timeout_s=self.job.scaling.placement_timeout_s)
-            self.membership.wait_for_joiners(max(0.0, deadline - time.monotonic()))
-            self._unless_stopping()
-            self._admit_ready_joiners()
-            self._require_min_workers("are available after the failure")
-        else:
-            self._admit_ready_joiners()
+            last = "; ".join(worker.describe() for worker in state.lost)
+            return Failed(f"{decision.reason}; last failure: {last}{self._checkpoint_note()}")
+        # The failed workers' shards are gone: a sharded group restarts from a checkpoint.
+        restore = state.restore if self.replicated else self.checkpoints.newest(max_step=self.step, at_step=self.step)
+        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
+        if missing:
+            self.log.event("waiting_for_resources", self.step, workers=self.group.size, needed=missing)
+            return WaitingForWorkers(needed=missing, deadline=time.monotonic() + self.job.scaling.placement_timeout_s,
+                                     recovering_since=state.recovering_since, restore=restore)
+        self._admit_joiners()
+        return Forming(restore=restore, recovering_since=state.recovering_since)
 
-    # -- generations ----------------------------------------------------------------------------------------
-    def _fail_on_job_error(self, outcome: JobFailed) -> None:
-        """An error of the workload (or a checkpoint that cannot be written) fails the run at once, with the
-        worker's full traceback: a replacement would only meet it again."""
-        for member, error in outcome.errors:
-            self.log.event("worker_failed", self.step, worker=member.name, reason="raised an error",
-                           traceback=error)
-        member, error = outcome.errors[0]
-        raise RunFailed(f"{member.name} raised an error at step {self.step + 1} (not retried: it is the job's, "
-                        f"not a lost worker){self._checkpoint_note()}\n{error}")
+    def _wait_for_workers(self, state: WaitingForWorkers) -> RunState:
+        """Start replacements as their slots become ready; form again once min_workers are in, fail at the
+        deadline. Each call waits at most WAIT_SLICE_S, so a stop request is heard."""
+        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
+        self.group.add_joiners(missing - self.group.num_joining)
+        self.group.wait_for_joiners(max(0.0, min(WAIT_SLICE_S, state.deadline - time.monotonic())))
+        self._admit_joiners()
+        if not workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size):
+            return Forming(restore=state.restore, recovering_since=state.recovering_since)
+        if time.monotonic() >= state.deadline:
+            return Failed(self._too_few_workers("are available after the failure"))
+        return state
 
-    def _resume_from_checkpoint(self) -> None:
-        found = self._newest_checkpoint() if self.job.checkpoint.resume == "auto" else None
-        if found is None:
-            return
-        self._require_same_job(found)
-        self.restore_from = found
-        self.log.event("resumed", found.manifest.step, path=found.path, saved_world_size=found.manifest.world_size,
-                       saved_strategy=found.manifest.strategy)
-
-    def _require_same_job(self, found: Checkpoint) -> None:
-        if found.manifest.config_hash != self.job.math_hash():
-            raise RunFailed(f"checkpoint {found.path} was written by a job with another workload, optimizer, global "
-                            "batch or seed; use another --run-dir or checkpoint.path")
-
-    def _newest_checkpoint(self, max_step: int | None = None) -> Checkpoint | None:
-        """The newest intact checkpoint (of at most ``max_step``); newer ones that fail verification are reported
-        and skipped."""
-        found, rejected = newest_loadable(self.checkpoint_root, max_step)
-        for bad in rejected:
-            self.log.event("checkpoint_rejected", self.step, path=bad.path, reason=bad.reason)
-        return found
-
-    def _form_generation(self) -> None:
-        """Every member joins generation g+1; the most advanced one's state is handed to all.
-
-        A member dying here is a failure like any other: it is dropped and the next generation formed.
-        """
-        while True:
-            try:
-                return self._try_form_generation()
-            except MembersFailed as lost:
-                self._recover(WorkersFailed(lost.failed))
-
-    def _try_form_generation(self) -> None:
-        started = time.time()
-        self.generation += 1
-        members, world_size = list(self.members), self.membership.size
-        self.ranked = members
-        reports = self._on_every_member("join", [(GroupAssignment(
-            generation=self.generation, rank=rank, world_size=world_size, store_host=self.node_ip,
-            store_port=self.store.port, store_prefix=self.store_prefix, timeout_s=self.job.failure.collective_timeout_s,
-            run_step=self.step),)
-            for rank in range(world_size)], rendezvous=JOIN_RENDEZVOUS)
-        for member, report in zip(members, reports, strict=True):
-            member.node_id = report.node_id
-        before = self.step
-        best = max(range(world_size), key=lambda r: reports[r].step)
-        if self.replicated and self.restore_from is None and reports[best].step < self.step:
-            self.restore_from = self._newer_checkpoint_than(reports[best].step)  # every holder of newer state lost
-        if self.restore_from is not None or (not self.replicated and self.generation > 0):
-            source = "checkpoint"
-            self.step = self._restore()
-        elif not self.replicated:  # a fresh sharded start: every rank initialised identically from the seed
-            source = "initialisation"
-        else:
-            source = best
-            self.step = reports[source].step
-            self._on_every_member("sync_state", [(source,)] * world_size)
-        self.log.event("generation_formed", self.step, generation=self.generation, world_size=world_size,
-                       state_source=source, steps_lost=max(0, before - self.step),
-                       duration_s=round(time.time() - started, 4))
-
-    def _newer_checkpoint_than(self, step: int) -> Checkpoint | None:
-        found = self._newest_checkpoint(max_step=self.step)
-        return found if found is not None and found.manifest.step > step else None
-
-    def _restore(self) -> int:
-        """Every member loads ``restore_from`` resharded to the new group (no checkpoint: step 0, afresh)."""
-        found = self.restore_from
-        if found is not None:
-            self._require_same_job(found)
-        path, step = (found.path, found.manifest.step) if found else (None, 0)
-        self._on_every_member("restore", [(path, step)] * self.membership.size)
-        self.restore_from = None
-        return step
-
-    def _on_every_member(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1) -> list[Any]:
-        """Call a collective ``method`` on every member (with ``args[rank]``) and return the results.
-
-        When one member's call fails, the others may still wait for it inside the collective, for up to
-        failure.collective_timeout_s per rendezvous the call holds: they must have ended before the next
-        generation's calls run beside them in the same processes. A member whose call has not ended by
-        then is hung. Raises MembersFailed naming the dead and hung (those whose collective merely lost a
-        peer are survivors), or RunFailed when a member raised an error of the job itself.
-        """
-        members = list(self.members)
-        calls = [getattr(m.actor, method).remote(*(args[rank] if args else ())) for rank, m in enumerate(members)]
-        results: list[Any] = [None] * len(calls)
-        pending = dict(zip(calls, range(len(calls)), strict=True))
-        failed: list[tuple[Member, str]] = []
-        survivors_saw_a_loss, deadline = False, None
-        while pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
-            if not ready:
-                break
-            for ref in ray.wait(list(pending), num_returns=len(pending), timeout=0)[0]:
-                member = members[rank := pending.pop(ref)]
-                try:
-                    results[rank] = ray.get(ref)
-                    continue
-                except ray.exceptions.RayActorError as error:
-                    failed.append((member, death_reason(error)))
-                except ray.exceptions.RayTaskError as error:
-                    if isinstance(error.cause, TrainingThreadHung):
-                        failed.append((member, f"hung: {error.cause}"))
-                    elif is_peer_loss(error.cause):
-                        survivors_saw_a_loss = True
-                    else:
-                        raise RunFailed(f"{member.name} raised an error in {method}{self._checkpoint_note()}\n"
-                                        f"{_plain(str(error))}") from None
-                deadline = deadline or time.monotonic() + rendezvous * self.job.failure.collective_timeout_s \
-                    + COLLECTIVE_GRACE_S
-        failed += [(members[rank], f"hung: its {method} call did not end within {rendezvous} collective timeout(s) "
-                    "of the failure") for rank in pending.values()]
-        if failed or survivors_saw_a_loss:
-            raise MembersFailed(failed)
-        return results
-
-    def faults_for(self, rank: int) -> tuple[FaultConfig, ...]:
-        return tuple(f for f in self.pending_faults if f.rank == rank)
-
-    def _disarm_faults(self, failed: list[Member]) -> None:
-        """Injected faults fire once: drop those of steps already begun, and the one each failed member
-        was given first (it may have fired after the last step the Controller heard of)."""
-        ranks = {rank for rank, member in enumerate(self.ranked) if member in failed}
-        fired = [min((f for f in self.pending_faults if f.rank == rank and f.step > self.step), key=lambda f: f.step,
-                     default=None) for rank in ranks]
-        self.pending_faults = [f for f in self.pending_faults if f.step > self.step + 1 and f not in fired]
-
-    def on_step_committed(self, finished_at: float) -> None:
-        """Called by the Watcher for each newly committed step; closes a recovery when one is open."""
-        if self.recovering_since is not None:
-            self.log.event("recovered", self.step, world_size=self.membership.size,
-                           recovery_s=round(finished_at - self.recovering_since, 3))
-            self.recovering_since = None
-            self.metrics.recovered()
-
-    # -- the end --------------------------------------------------------------------------------------------
-    def _finish(self) -> RunResult:
+    def _finish(self, state: Finishing) -> RunState:
         """Evaluate, gather the full model and write the final checkpoint (collective on every member)."""
-        metrics = self._on_every_member("evaluate")[0]
+        metrics = self.group.call_all("evaluate")[0]
         if self.job.eval.every_steps:  # the curve of eval rows ends with the final metrics
             self.log.add_evaluation(self.step, time.time(), metrics)
-        world_size = self.membership.size
         if self.replicated:  # every rank holds it all: one copy, from rank 0, with no collective
-            model_state = ray.get(self.members[0].actor.full_state_dict.remote())
+            model_state = self.group.call_one(0, "full_state_dict")
         else:
-            model_state = self._on_every_member("full_state_dict", [(rank == 0,) for rank in range(world_size)])[0]
-        memory = self._on_every_member("memory")
-        path = self._on_every_member("save_checkpoint")[0]
+            model_state = self.group.call_all("full_state_dict", [(rank == 0,) for rank in range(self.group.size)])[0]
+        memory = self.group.call_all("memory")
+        path = self.group.call_all("save_checkpoint")[0]
         if not any(e["type"] == "checkpointed" and e["step"] == self.step for e in self.log.events()):
             self.log.event("checkpointed", self.step, path=path, reason="end of run")  # else the loop's save, reported
         history = self.log.history()
         metrics = {**({"loss": history[-1]["loss"]} if history else {}), **metrics}  # none when resumed at the end
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})
-        return RunResult(final_step=self.step, metrics=metrics, history=history, events=self.log.events(),
-                         model_state=model_state, checkpoint=path, memory=memory, eval_history=self.log.evaluations(),
-                         ledger=self.log.ledger() if self.job.training.record_samples else None)
+        return Finished(RunResult(
+            final_step=self.step, metrics=metrics, history=history, events=self.log.events(), model_state=model_state,
+            checkpoint=path, memory=memory, eval_history=self.log.evaluations(),
+            ledger=self.log.ledger() if self.job.training.record_samples else None))
+
+    # -- what the actions share -----------------------------------------------------------------------------
+    def _admit_joiners(self) -> None:
+        for name in self.group.admit_ready_joiners():
+            self.log.event("worker_joined", self.step, worker=name)
+
+    def _record(self, status: GroupStatus, recovering_since: float | None) -> float | None:
+        """Take in the members' news: step rows, the sample ledger, events, evaluations. Returns when the open
+        recovery began (None once a step committed after it: the run has recovered)."""
+        for news in status.news:
+            completed = None
+            for result in news.status.results:
+                completed = self.log.add_result(result, generation=status.generation, rank=news.rank,
+                                                world_size=status.world_size) or completed
+                if result.step > self.step:
+                    self.step = result.step
+                    if recovering_since is not None:
+                        self.log.event("recovered", self.step, world_size=status.world_size,
+                                       recovery_s=round(result.finished_at - recovering_since, 3))
+                        self.metrics.recovered()
+                        recovering_since = None
+            if completed:  # the gauges show the newest complete step (setting them for every step costs us)
+                self.metrics.step_committed(step=completed["step"], loss=completed["loss"],
+                                            samples_per_s=completed["samples_per_s"],
+                                            world_size=completed["world_size"])
+            for event in news.status.events:
+                self.log.event(event.pop("type"), event.pop("step"), **event)
+            for evaluation in news.status.evaluations:
+                self.log.add_evaluation(evaluation.pop("step"), evaluation.pop("time"), evaluation)
+        return recovering_since
+
+    def _resume_checkpoint(self) -> Checkpoint | None:
+        found = self.checkpoints.newest(at_step=self.step) if self.job.checkpoint.resume == "auto" else None
+        if found is not None:
+            self.checkpoints.require_same_job(found)
+            self.log.event("resumed", found.manifest.step, path=found.path, saved_world_size=found.manifest.world_size,
+                           saved_strategy=found.manifest.strategy)
+        return found
+
+    def _too_few_workers(self, what: str) -> str:
+        scaling = self.job.scaling
+        return (f"only {self.group.size} of scaling.min_workers={scaling.min_workers} workers {what} within "
+                f"scaling.placement_timeout_s={scaling.placement_timeout_s}s {self.group.capacity_note()}"
+                f"{self._checkpoint_note()}")
+
+    def _with_checkpoint_note(self, message: str) -> str:
+        """``message``'s first line, the checkpoint note, then the rest (a traceback)."""
+        first, _, rest = message.partition("\n")
+        return f"{first}{self._checkpoint_note()}" + (f"\n{rest}" if rest else "")
 
     def _checkpoint_note(self) -> str:
-        found = latest_checkpoint(self.checkpoint_root)
-        if found is None:
-            return "; no checkpoint was written yet (checkpoint.every_steps)"
-        return f"; last checkpoint: {found.path} (step {found.manifest.step})"
-
-
-def _plain(text: str) -> str:
-    """``text`` without the terminal colour codes Ray puts in the errors it relays."""
-    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+        return self.checkpoints.note()
 
 
 ControllerActor = ray.remote(num_cpus=0, max_concurrency=8)(Controller)

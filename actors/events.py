@@ -14,7 +14,10 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from actors.step_loop import StepResult
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,20 @@ class RunLog:
             if len(reports.by_rank) == world_size:
                 reports.row = self._row(step, reports)
             return reports.row
+
+    def add_result(self, result: StepResult, *, generation: int, rank: int, world_size: int) -> dict[str, Any] | None:
+        """``rank``'s StepResult: its report of the step (``add_step``) and, when recorded, the step's samples
+        (``add_samples``). Returns the step's row when this report completes it."""
+        timings = {} if result.comm_s is None else {"comm_s": round(result.comm_s, 5),
+                                                    "exposed_comm_s": round(result.exposed_comm_s, 5)}
+        if result.skipped:
+            timings["skipped"] = True
+        if result.sample_ids is not None:
+            self.add_samples(result.step, result.sample_ids, generation=generation, rank=rank)
+        return self.add_step(result.step, result.finished_at, generation=generation, rank=rank, world_size=world_size,
+                             loss_sum=result.loss_sum, samples=result.samples, step_s=result.duration_s,
+                             bytes_sent=result.bytes_sent, uncompressed_bytes=result.uncompressed_bytes, lr=result.lr,
+                             grad_norm=round(result.grad_norm, 6), **timings)
 
     def close_generation(self, generation: int) -> None:
         """The generation ended: its steps that some rank never reported get rows of what came in."""

@@ -43,3 +43,18 @@ def _kill_own_raylet() -> None:
             raise InjectedFault(f"remove_node: parent process {raylet} is not a raylet")
     os.kill(raylet, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FaultPlan:
+    """The run's injected faults still to fire (temporary: replaced by the worker split's version)."""
+
+    def __init__(self, faults) -> None:
+        self.pending: list[FaultConfig] = list(faults)
+
+    def for_rank(self, rank: int) -> tuple[FaultConfig, ...]:
+        return tuple(f for f in self.pending if f.rank == rank)
+
+    def disarm(self, failed_ranks: set[int], step: int) -> None:
+        fired = [min((f for f in self.pending if f.rank == rank and f.step > step), key=lambda f: f.step,
+                     default=None) for rank in failed_ranks]
+        self.pending = [f for f in self.pending if f.step > step + 1 and f not in fired]

@@ -16,6 +16,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 WAIT_INTERVAL_S = 0.05
 
 
+@dataclass(frozen=True)
+class ReservedBundles:
+    """Bundles of a placement group reserved for this run's workers (e.g. by a Ray Tune trial)."""
+
+    placement_group: PlacementGroup
+    bundle_indices: tuple[int, ...]
+
+
 @dataclass(frozen=True, kw_only=True)
 class SlotShape:
     cpus: float

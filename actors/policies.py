@@ -1,15 +1,28 @@
 """Pure policies the Controller asks; they decide from observed state and never call Ray.
 
+Every decision of a run is taken here, from a snapshot:
+
+- ``ScalingPolicy``: how many workers to have (``ScalingState``);
+- ``FailurePolicy``: recover from one more failure, or give up;
+- ``GenerationJudge``: from a ``GroupStatus`` poll, whether the generation trains on, finished, stopped
+  at a boundary, lost workers (dead, silent, hung, blamed for their peers' errors) or hit a job error;
+- ``choose_state_source``: where a new generation's state comes from;
+- ``workers_missing``: whether the run must wait for workers before it can form again.
+
 Example::
 
-    policy = ScalingPolicy(min_workers=2, max_workers=4)
-    policy.decide(ScalingState(num_workers=2, num_placeable=1))   # -> Resize(num_workers=3)
-    FailurePolicy(max_failures=1).decide(failures_so_far=2)       # -> Raise(...)
+    ScalingPolicy(min_workers=2, max_workers=4).decide(ScalingState(num_workers=2, num_placeable=1))  # Resize(3)
+    FailurePolicy(max_failures=1).decide(failures_so_far=2)                                          # Raise(...)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from actors.group_status import DONE_PHASES, GroupStatus, LostWorker
+from strategies.checkpoint import Checkpoint
+
+# -- scaling --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -44,10 +57,17 @@ class ScalingPolicy:
         return Noop()
 
 
+def workers_missing(*, min_workers: int, num_workers: int) -> int:
+    """How many workers the run must wait for before it may form a generation (0: none)."""
+    return max(0, min_workers - num_workers)
+
+
+# -- failures -------------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Recover:
-    backoff_s: float
-    """Wait this long before forming the next generation."""
+    """Form the next generation with the workers left."""
 
 
 @dataclass(frozen=True)
@@ -57,18 +77,146 @@ class Raise:
 
 @dataclass(frozen=True, kw_only=True)
 class FailurePolicy:
-    """Survive up to ``max_failures`` failures per run (workers lost together count once), backing off
-    exponentially if asked."""
+    """Survive up to ``max_failures`` failures per run; workers lost together count once."""
 
     max_failures: int
-    backoff_s: float = 0.0
-    max_backoff_s: float = 30.0
 
     def decide(self, failures_so_far: int) -> Recover | Raise:
         """``failures_so_far`` counts the failure being decided on."""
         if failures_so_far > self.max_failures:
-            return Raise(f"{failures_so_far} failures, more than failure.max_failures="
-                         f"{self.max_failures}")
-        doublings = min(failures_so_far - 1, 32)
-        delay = min(self.max_backoff_s, self.backoff_s * 2**doublings) if self.backoff_s else 0.0
-        return Recover(backoff_s=delay)
+            return Raise(f"{failures_so_far} failures, more than failure.max_failures={self.max_failures}")
+        return Recover()
+
+
+# -- verdicts on a training generation ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeepTraining:
+    pass
+
+
+@dataclass(frozen=True)
+class GenerationFinished:
+    """Every member trained to the run's last step."""
+
+
+@dataclass(frozen=True)
+class AllStopped:
+    """Every member stopped after the same step (a stop or a membership change was asked for)."""
+
+
+@dataclass(frozen=True)
+class WorkersLost:
+    lost: tuple[LostWorker, ...]
+    """Empty when every member's collective lost a peer that is nonetheless still there: the group re-forms
+    as it is."""
+
+
+@dataclass(frozen=True)
+class JobError:
+    """Members raised an error of the job itself: a replacement would only meet it again."""
+
+    errors: tuple[tuple[str, str], ...]
+    """(member name, its error with the full traceback)."""
+
+
+Verdict = KeepTraining | GenerationFinished | AllStopped | WorkersLost | JobError
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationJudge:
+    """Judges a training generation from each poll.
+
+    A worker whose process is gone, that stops answering for ``step_timeout_s`` or whose step runs for
+    ``max_step_s`` is lost. A worker whose collective lost its peer is a survivor; if no death explains
+    such errors within ``error_grace_s``, the members still training (the ones their peers' collectives
+    gave up waiting for) are hung. An error of the job itself ends the run.
+    """
+
+    step_timeout_s: float
+    max_step_s: float
+    collective_timeout_s: float
+    error_grace_s: float = 2.0
+    """How long a collective error may precede the report of the death that caused it."""
+
+    def decide(self, status: GroupStatus) -> Verdict:
+        lost = self.lost_workers(status)
+        if lost:
+            return WorkersLost(lost)
+        job_errors = tuple((m.name, m.error) for m in status.members if m.error_cause == "job")
+        if job_errors:
+            return JobError(job_errors)
+        if status.errors_for_s is not None and status.errors_for_s > self.error_grace_s:
+            return WorkersLost(tuple(
+                LostWorker(m.name, "hung: its peers' collectives gave up waiting for it "
+                                   f"(failure.collective_timeout_s={self.collective_timeout_s})", rank)
+                for rank, m in enumerate(status.members) if m.phase == "training" and not m.error))
+        phases = {m.phase for m in status.members}
+        if phases == {"finished"}:
+            return GenerationFinished()
+        if phases <= {"finished", "stopped"}:
+            return AllStopped()
+        return KeepTraining()
+
+    def lost_workers(self, status: GroupStatus) -> tuple[LostWorker, ...]:
+        """Members dead, silent for step_timeout_s, or with a step running for max_step_s."""
+        lost = []
+        for rank, member in enumerate(status.members):
+            if member.dead:
+                reason = member.dead
+            elif member.phase not in DONE_PHASES and member.silent_s > self.step_timeout_s:
+                reason = f"no answer for {member.silent_s:.1f}s (failure.step_timeout_s={self.step_timeout_s})"
+            elif member.step_running_s is not None and member.step_running_s > self.max_step_s:
+                reason = f"hung: its step has run {member.step_running_s:.0f}s (failure.max_step_s={self.max_step_s})"
+            else:
+                continue
+            lost.append(LostWorker(member.name, reason, rank))
+        return tuple(lost)
+
+
+# -- where a new generation's state comes from ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FromCheckpoint:
+    checkpoint: Checkpoint
+
+
+@dataclass(frozen=True)
+class FromRank:
+    """Replicated state: the most advanced member's is broadcast to all."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class FromSeed:
+    """Sharded state built afresh on every rank from the seed: step 0."""
+
+
+StateSource = FromCheckpoint | FromRank | FromSeed
+
+
+def members_lack_newest_state(member_steps: list[int], run_step: int) -> bool:
+    """Every holder of the run's newest state was lost: a checkpoint may be newer than what is left."""
+    return max(member_steps) < run_step
+
+
+def choose_state_source(*, replicated: bool, pending: Checkpoint | None, member_steps: list[int],
+                        newest_checkpoint: Checkpoint | None = None) -> StateSource:
+    """Where generation g's state comes from.
+
+    ``pending``: the checkpoint this generation was asked to load (a resume, a sharded resize or
+    recovery). Otherwise a replicated run keeps its most advanced member's state, unless
+    ``newest_checkpoint`` (looked up when ``members_lack_newest_state``) is newer; a sharded run without
+    a checkpoint starts afresh.
+    """
+    if pending is not None:
+        return FromCheckpoint(pending)
+    if not replicated:
+        return FromSeed()
+    best = max(range(len(member_steps)), key=lambda rank: member_steps[rank])
+    if newest_checkpoint is not None and newest_checkpoint.manifest.step > member_steps[best]:
+        return FromCheckpoint(newest_checkpoint)
+    return FromRank(best)

@@ -4,8 +4,7 @@ Ray starts its worker processes at niceness ``worker_niceness`` (15 by default) 
 and the GCS stay responsive beside CPU-hungry tasks. A training rank is not such a task: it owns the
 CPU slot it reserved, and the whole step waits for the slowest rank's all-reduce. At niceness 15
 every nice-0 process that wakes on a busy machine (the driver, the raylet, the GCS, the metrics
-agent) takes the core from a rank first. On this noisy 2-core VM, 2 ms digits steps at niceness 0
-were faster than at 15 in 12 of 19 alternating rounds of benchmarks/throughput.py (median +12%).
+agent) takes the core from a rank first (what that costs: docs/cluster.md, "Worker priority").
 
 Three ways to get there: the local instance ``raylastic train`` starts sets ``worker_niceness`` 0
 (cluster/connect.py); clusters started with ``RAY_worker_niceness=0`` (cluster.yaml) do the same; and

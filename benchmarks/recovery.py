@@ -48,6 +48,7 @@ import torch
 
 import cluster.job
 from actors.controller import RunFailed
+from actors.group_status import RunStatus
 from benchmarks import _recovery_helpers as helpers
 from cluster.connect import NAMESPACE
 from cluster.loading import load_job_config
@@ -78,11 +79,11 @@ class Follower:
         self.origin: float | None = None
         self.released_at: float | None = None
 
-    def __call__(self, progress: dict[str, Any]) -> None:
+    def __call__(self, progress: RunStatus) -> None:
         if self.origin is None:  # RunLog.started: the time_s of history and events count from it
             controller = ray.get_actor(f"raylastic:{self.name}:controller")
             self.origin = ray.get(controller.__ray_call__.remote(lambda c: c.log.started))
-        if self.released_at is None and progress["step"] >= self.release_at_step:
+        if self.released_at is None and progress.step >= self.release_at_step:
             self.released_at = time.time()
             ray.kill(self.blocker)
 

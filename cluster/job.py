@@ -32,14 +32,16 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.controller import ControllerActor, ReservedBundles, RunFailed, RunResult, default_checkpoint_root
+from actors.controller import ControllerActor, RunFailed, RunResult, default_checkpoint_root
+from actors.group_status import RunStatus
+from actors.placement import ReservedBundles
 from cluster.config import JobConfig
 from cluster.connect import ray_session
 from cluster.tensorboard import TensorBoardLog
 from cluster.tracking import MlflowLog, RunEnd
 from workloads import resolve_workload_class
 
-ProgressCallback = Callable[[dict[str, Any]], None]
+ProgressCallback = Callable[[RunStatus], None]
 PROGRESS_WAIT_S = 1.0
 """Longest the driver's progress poll waits: events arrive at once, step rows at least this often."""
 LOCK_NAME = ".lock"
@@ -78,7 +80,7 @@ def _run(job: JobConfig, run_dir: Path, checkpoint_root: str, address: str | Non
     mlflow_log = MlflowLog(job.tracking, job, run_dir) if job.tracking.mlflow_uri else None
     seen = _SeenProgress()
 
-    def follow(progress: dict[str, Any]) -> None:
+    def follow(progress: RunStatus) -> None:
         tensorboard.update(progress)
         if mlflow_log is not None:
             mlflow_log.update(progress)
@@ -118,11 +120,11 @@ class _SeenProgress:
     events: list[dict[str, Any]] = field(default_factory=list)
     evaluations: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, progress: dict[str, Any]) -> None:
-        self.step = progress["step"]
-        self.history += progress["history"]
-        self.events += progress["events"]
-        self.evaluations += progress["evaluations"]
+    def add(self, progress: RunStatus) -> None:
+        self.step = progress.step
+        self.history += progress.history
+        self.events += progress.events
+        self.evaluations += progress.evaluations
 
     def cursor(self) -> dict[str, int]:
         """``Controller.progress``'s arguments for what comes after this."""

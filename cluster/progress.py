@@ -8,6 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from actors.group_status import RunStatus
+
 EVENT_STYLES = {"worker_failed": "bold red", "recovered": "bold green", "generation_formed": "cyan",
                 "checkpointed": "dim", "checkpoint_failed": "bold yellow", "resumed": "yellow", "finished": "bold"}
 LONG_FIELDS = ("type", "step", "time_s", "traceback")
@@ -38,16 +40,16 @@ class ProgressDisplay:
         if self._progress is not None:
             self._progress.stop()
 
-    def update(self, progress: dict[str, Any]) -> None:
-        for event in progress["events"]:
+    def update(self, progress: RunStatus) -> None:
+        for event in progress.events:
             self.console.print(format_event(event), style=EVENT_STYLES.get(event["type"]), highlight=False)
-        for evaluation in progress.get("evaluations", ()):
+        for evaluation in progress.evaluations:
             self.console.print(format_evaluation(evaluation), style="magenta", highlight=False)
-        if not progress["history"]:
+        if not progress.history:
             return
-        row = progress["history"][-1]
+        row = progress.history[-1]
         stats = (f"loss {row['loss']:.4f}  {row['samples_per_s']:.0f} samples/s  "
-                 f"world size {row['world_size']}")
+                 f"world size {row['world_size']}  {progress.state}")
         if self._progress is not None:
             self._progress.update(self._task, completed=row["step"], stats=stats)
         elif row["step"] - self._last_line_step >= self.line_every or row["step"] == self.total_steps:

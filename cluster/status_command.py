@@ -1,9 +1,9 @@
-"""``raylastic status [RUN]``: what a running job is doing - members, generation, step, recent events.
+"""``raylastic status [RUN]``: what a running job is doing - its state, members, generation, step, recent events.
 
 Examples::
 
     raylastic status                      # the runs on the cluster (and the details when there is one)
-    raylastic status digits               # one run: members (worker, node), generation, step, events
+    raylastic status digits               # one run: state, members (worker, node), generation, step, events
     raylastic status digits --address 10.0.0.5:6379
 
 It finds each run by its Controller actor, ``raylastic:<run>:controller`` in namespace
@@ -14,10 +14,13 @@ the cluster cannot be reached.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+
+from actors.group_status import RunStatus
 
 NAMESPACE = "raylastic"  # cluster.connect.NAMESPACE, not imported here: register() stays light
 CONTROLLER_PREFIX, CONTROLLER_SUFFIX = "raylastic:", ":controller"
@@ -59,8 +62,19 @@ def run_names() -> list[str]:
                   if n.startswith(CONTROLLER_PREFIX) and n.endswith(CONTROLLER_SUFFIX))
 
 
-def fetch_status(run: str) -> dict[str, Any]:
-    """The run's ``progress()`` (without the history) plus ``last_row`` and ``nodes`` (worker -> node id)."""
+@dataclass(frozen=True)
+class StatusReport:
+    """What ``raylastic status RUN`` shows."""
+
+    status: RunStatus
+    """The run's ``progress()``, without its history and with only the recent events."""
+    last_row: dict[str, Any] | None
+    """The newest step's history row."""
+    nodes: dict[str, str]
+    """Worker actor name -> node id (empty without Ray's dashboard)."""
+
+
+def fetch_status(run: str) -> StatusReport:
     import ray
 
     controller = ray.get_actor(f"{CONTROLLER_PREFIX}{run}{CONTROLLER_SUFFIX}", namespace=NAMESPACE)
@@ -68,16 +82,16 @@ def fetch_status(run: str) -> dict[str, Any]:
     # History rows are in commit order, one per step from the first step this run committed: the
     # latest is at position step-1, or earlier when the run resumed from a checkpoint.
     rows: list[dict[str, Any]] = []
-    for since in (max(0, status["step"] - 1), 0):
-        rows = ray.get(controller.progress.remote(history_since=since, events_since=len(status["events"])),
-                       timeout=ANSWER_TIMEOUT_S)["history"]
-        if rows or status["step"] == 0:
+    for since in (max(0, status.step - 1), 0):
+        rows = ray.get(controller.progress.remote(history_since=since, events_since=len(status.events)),
+                       timeout=ANSWER_TIMEOUT_S).history
+        if rows or status.step == 0:
             break
-    return {**status, "events": status["events"][-RECENT_EVENTS:], "last_row": rows[-1] if rows else None,
-            "nodes": _worker_nodes(run)}
+    return StatusReport(replace(status, events=status.events[-RECENT_EVENTS:]), rows[-1] if rows else None,
+                        _worker_nodes(run))
 
 
-def _progress_without_history(controller: Any) -> dict[str, Any]:
+def _progress_without_history(controller: Any) -> RunStatus:
     import ray
 
     past_the_end = 2**62  # no history rows, just the state and the events
@@ -92,8 +106,8 @@ def summary_line(run: str) -> str:
         status = _progress_without_history(controller)
     except (ValueError, ray.exceptions.RayError):
         return f"{run}: ended"
-    return (f"{run}: step {status['step']}, generation {status['generation']}, world size {status['world_size']}, "
-            f"failures {status['failures']}")
+    return (f"{run}: {status.state}, step {status.step}, generation {status.generation}, "
+            f"world size {status.world_size}, failures {status.failures}")
 
 
 def _worker_nodes(run: str) -> dict[str, str]:
@@ -137,16 +151,17 @@ def _show(run: str | None, out: Console, errors: Console) -> int:
     return 0
 
 
-def print_status(run: str, status: dict[str, Any], out: Console) -> None:
+def print_status(run: str, report: StatusReport, out: Console) -> None:
     from cluster.progress import format_event
 
-    out.print(f"run {run}: step {status['step']}  generation {status['generation']}  "
-              f"world size {status['world_size']}  failures {status['failures']}")
-    if (row := status["last_row"]) is not None:
+    status = report.status
+    out.print(f"run {run}: {status.state}  step {status.step}  generation {status.generation}  "
+              f"world size {status.world_size}  failures {status.failures}")
+    if (row := report.last_row) is not None:
         out.print(f"last step {row['step']}: loss {row['loss']:.4f}  {row['samples_per_s']:.0f} samples/s")
     out.print("members (rank, worker, node):")
-    for rank, name in enumerate(status["members"]):
-        out.print(f"  {rank}  {name}  {status['nodes'].get(name, 'node unknown (no dashboard)')}")
+    for rank, name in enumerate(status.members):
+        out.print(f"  {rank}  {name}  {report.nodes.get(name, 'node unknown (no dashboard)')}")
     out.print(f"recent events (last {RECENT_EVENTS}):")
-    for event in status["events"]:
+    for event in status.events:
         out.print(f"  {format_event(event)}")

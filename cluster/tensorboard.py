@@ -17,6 +17,8 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
+from actors.group_status import RunStatus
+
 SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "world_size", "bytes_sent", "comm_s", "exposed_comm_s", "step_s")
 
 
@@ -29,17 +31,17 @@ class TensorBoardLog:
         self._last_written_s: float | None = None
         self._unwritten: dict[str, Any] | None = None
 
-    def update(self, progress: dict[str, Any]) -> None:
-        for row in progress["history"]:
+    def update(self, progress: RunStatus) -> None:
+        for row in progress.history:
             if self._last_written_s is None or row["time_s"] - self._last_written_s >= self.min_interval_s:
                 self._write_step(row)
             else:
                 self._unwritten = row
-        for evaluation in progress.get("evaluations", ()):
+        for evaluation in progress.evaluations:
             for name, value in evaluation.items():
                 if name not in ("step", "time_s"):
                     self.writer.add_scalar(f"eval/{name}", value, global_step=evaluation["step"])
-        for event in progress["events"]:
+        for event in progress.events:
             details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "step"))
             self.writer.add_text("events", f"{event['type']}: {details}", global_step=event["step"])
 

@@ -38,6 +38,7 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 from urllib.request import pathname2url
 
+from actors.group_status import RunStatus
 from cluster.config import JobConfig, TrackingConfig
 
 RunEnd = Literal["finished", "failed", "killed"]
@@ -84,10 +85,10 @@ class MlflowLog:
         self._start_ms = int(time.time() * 1000)
         self._failed = False
 
-    def update(self, progress: dict[str, Any]) -> None:
+    def update(self, progress: RunStatus) -> None:
         """Log the progress's new step rows and evaluations as metrics; keep its events for the end."""
-        self.events.extend(progress["events"])
-        rows = [*progress["history"], *progress.get("evaluations", ())]
+        self.events.extend(progress.events)
+        rows = [*progress.history, *progress.evaluations]
         metrics = [metric for row in rows for metric in self._metrics(row)]
         self._guarded(self._log_metrics, metrics)
 

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
+from actors.group_status import RunStatus
 from strategies.checkpoint import (
     MANIFEST_NAME,
     Checkpointer,
@@ -316,10 +317,10 @@ def test_a_checkpoint_path_that_stops_taking_files_mid_run_ends_it_naming_path_a
         make_read_only(tmp_path)  # skips before a run is started for nothing
     run_dir, blocked = tmp_path / "run", []
 
-    def after_the_first_checkpoint(progress: dict) -> None:
-        if not blocked and any(e["type"] == "checkpointed" for e in progress["events"]):
+    def after_the_first_checkpoint(progress: RunStatus) -> None:
+        if not blocked and any(e["type"] == "checkpointed" for e in progress.events):
             block(run_dir / "checkpoints")
-            blocked.append(progress["step"])
+            blocked.append(progress.step)
 
     # ~0.6 s a step: the first save is long done before the second is due
     config = job("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.2}",

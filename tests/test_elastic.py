@@ -114,10 +114,10 @@ def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference
     actions = {}
 
     def act(progress):
-        if progress["step"] >= 8 and "released" not in actions:
+        if progress.step >= 8 and "released" not in actions:
             ray.kill(blocker)
-            actions["released"] = progress["step"]
-        if progress["world_size"] == 3 and progress["step"] >= 25 and "drained" not in actions:
+            actions["released"] = progress.step
+        if progress.world_size == 3 and progress.step >= 25 and "drained" not in actions:
             controller = ray.get_actor("raylastic:scale:controller")
             actions["drained"] = ray.get(controller.drain.remote(rank=1))
 

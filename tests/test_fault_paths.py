@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from actors.controller import RunFailed
+from actors.group_status import RunStatus
 from actors.worker import TrainWorkerActor, WorkerSpec
 from cluster.job import train
 from strategies.checkpoint import Checkpointer, latest_checkpoint
@@ -112,9 +113,9 @@ def test_a_restore_refuses_another_jobs_checkpoint(tmp_path):
     planted = latest_checkpoint(other / "checkpoints").path
     run_dir = tmp_path / "mine"
 
-    def plant(progress: dict) -> None:  # another job's state appears while this run trains, as its newest
+    def plant(progress: RunStatus) -> None:  # another job's state appears while this run trains, as its newest
         target = run_dir / "checkpoints" / "step_00000011"
-        if progress["generation"] == 0 and not target.exists():
+        if progress.generation == 0 and not target.exists():
             shutil.copytree(planted, target)
 
     config = job(*BASE, "strategy.name=zero2", "checkpoint.every_steps=5", "faults=[{action: kill, rank: 1, step: 12}]",
@@ -138,7 +139,7 @@ def test_a_stop_asked_while_the_group_forms_is_not_lost(tmp_path):
                  "workload.name=tests.fault_workloads:SlowBuildDigits", "workload.options={delay_s: 3}", name="stop")
     asked = threading.Event()
 
-    def stop_at_once(progress: dict) -> None:
+    def stop_at_once(progress: RunStatus) -> None:
         if not asked.is_set():
             asked.set()
             ray.get_actor("raylastic:stop:controller").stop.remote()

@@ -21,6 +21,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
 
+from actors.group_status import RunStatus
 from cluster.job import train
 from tests.conftest import REPO_ROOT
 from tests.helpers import assert_states_close, job, load_model
@@ -52,8 +53,8 @@ def run(tmp_path, name: str, *overrides: str) -> tuple:
     """Train the job; also return how many of its workers each node held while all 4 were placed."""
     placement: dict[str, int] = {}
 
-    def record_placement(progress: dict) -> None:
-        if progress["world_size"] == 4 and not placement:
+    def record_placement(progress: RunStatus) -> None:
+        if progress.world_size == 4 and not placement:
             placement.update(workers_per_node(name))
 
     result = train(job(*BASE, *overrides, name=name), run_dir=tmp_path / name, on_progress=record_placement)

@@ -65,8 +65,8 @@ def test_run_continues_on_the_remaining_node(tmp_path, head, second_node, refere
     removed = {}
 
     def remove_second_node(progress):
-        if progress["step"] >= 15 and progress["world_size"] == 4 and not removed:
-            removed["step"] = progress["step"]
+        if progress.step >= 15 and progress.world_size == 4 and not removed:
+            removed["step"] = progress.step
             head.remove_node(second_node)
 
     result = train(job(*BASE, name="nodes"), run_dir=tmp_path / "nodes", on_progress=remove_second_node)
@@ -84,12 +84,12 @@ def test_draining_a_node_moves_its_workers_out_at_a_step_boundary(tmp_path, head
     actions = {}
 
     def drain_then_remove_second_node(progress):
-        if progress["step"] >= 10 and progress["world_size"] == 4 and "drained" not in actions:
+        if progress.step >= 10 and progress.world_size == 4 and "drained" not in actions:
             controller = ray.get_actor("raylastic:drain:controller")
             actions["drained"] = ray.get(controller.drain.remote(node_id=second_node.node_id))
-        elif "drained" in actions and progress["world_size"] == 2 and "removed" not in actions:
+        elif "drained" in actions and progress.world_size == 2 and "removed" not in actions:
             head.remove_node(second_node)  # the spot instance goes: none of the run's workers is on it
-            actions["removed"] = progress["step"]
+            actions["removed"] = progress.step
 
     result = train(job(*BASE, name="drain"), run_dir=tmp_path / "drain", on_progress=drain_then_remove_second_node)
     assert len(actions.get("drained", [])) == 2, actions

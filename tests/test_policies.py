@@ -1,4 +1,5 @@
-"""The Controller's pure decisions: ScalingPolicy (how many workers) and FailurePolicy (recover or give up).
+"""The Controller's pure decisions: how many workers, recover or give up, what a poll of the training group
+means, and where a new generation's state comes from.
 
     python -m pytest tests/test_policies.py -q
 """
@@ -9,7 +10,29 @@ import itertools
 
 import pytest
 
-from actors.policies import FailurePolicy, Noop, Raise, Recover, Resize, ScalingPolicy, ScalingState
+from actors.group_status import GroupStatus, LostWorker, MemberStatus
+from actors.policies import (
+    AllStopped,
+    FailurePolicy,
+    FromCheckpoint,
+    FromRank,
+    FromSeed,
+    GenerationFinished,
+    GenerationJudge,
+    JobError,
+    KeepTraining,
+    Noop,
+    Raise,
+    Recover,
+    Resize,
+    ScalingPolicy,
+    ScalingState,
+    WorkersLost,
+    choose_state_source,
+    members_lack_newest_state,
+    workers_missing,
+)
+from strategies.checkpoint import Checkpoint, CheckpointManifest
 
 # -- ScalingPolicy ----------------------------------------------------------------------------------------
 
@@ -71,16 +94,91 @@ def test_max_failures_zero_raises_on_the_first():
     assert isinstance(FailurePolicy(max_failures=0).decide(failures_so_far=1), Raise)
 
 
-def test_no_backoff_by_default():
-    assert FailurePolicy(max_failures=5).decide(failures_so_far=3) == Recover(backoff_s=0.0)
+def test_workers_missing():
+    assert [workers_missing(min_workers=2, num_workers=n) for n in range(4)] == [2, 1, 0, 0]
 
 
-def test_backoff_doubles_then_caps():
-    policy = FailurePolicy(max_failures=10, backoff_s=0.5, max_backoff_s=3.0)
-    delays = [policy.decide(failures_so_far=n).backoff_s for n in range(1, 8)]
-    assert delays == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0, 3.0]
+# -- GenerationJudge --------------------------------------------------------------------------------------
+
+JUDGE = GenerationJudge(step_timeout_s=10.0, max_step_s=600.0, collective_timeout_s=30.0)
 
 
-def test_backoff_stays_capped_after_many_failures():
-    policy = FailurePolicy(max_failures=10_000, backoff_s=1.0, max_backoff_s=30.0)
-    assert policy.decide(failures_so_far=2_000) == Recover(backoff_s=30.0)
+def group(*members: MemberStatus, errors_for_s: float | None = None) -> GroupStatus:
+    return GroupStatus(generation=0, members=members, errors_for_s=errors_for_s)
+
+
+def test_training_members_keep_training():
+    assert JUDGE.decide(group(MemberStatus("a"), MemberStatus("b", step_running_s=599.0))) == KeepTraining()
+
+
+@pytest.mark.parametrize(("phases", "verdict"), [
+    (("finished", "finished"), GenerationFinished()),
+    (("finished", "stopped"), AllStopped()),  # one trained to the end as the others stopped: the last stop vote
+    (("stopped", "stopped"), AllStopped()),
+    (("stopped", "training"), KeepTraining()),
+])
+def test_phases(phases, verdict):
+    assert JUDGE.decide(group(*(MemberStatus(f"w{i}", phase=p) for i, p in enumerate(phases)))) == verdict
+
+
+def test_dead_silent_and_hung_members_are_lost_with_their_reasons():
+    verdict = JUDGE.decide(group(MemberStatus("a", dead="actor died: SIGKILL"), MemberStatus("b", silent_s=10.5),
+                                 MemberStatus("c", step_running_s=601.0), MemberStatus("d", silent_s=9.0)))
+    assert verdict == WorkersLost((
+        LostWorker("a", "actor died: SIGKILL", 0),
+        LostWorker("b", "no answer for 10.5s (failure.step_timeout_s=10.0)", 1),
+        LostWorker("c", "hung: its step has run 601s (failure.max_step_s=600.0)", 2)))
+
+
+def test_a_done_member_is_not_silent():
+    assert JUDGE.decide(group(MemberStatus("a", phase="finished", silent_s=99.0),
+                              MemberStatus("b", phase="finished"))) == GenerationFinished()
+
+
+def test_a_job_error_is_judged_after_deaths():
+    failed = MemberStatus("a", phase="failed", error="Traceback: ValueError", error_cause="job")
+    assert JUDGE.decide(group(failed, MemberStatus("b"))) == JobError((("a", "Traceback: ValueError"),))
+    assert isinstance(JUDGE.decide(group(failed, MemberStatus("b", dead="actor died"))), WorkersLost)
+
+
+def test_peer_errors_wait_for_a_death_then_blame_the_members_still_training():
+    survivor = MemberStatus("a", phase="failed", error="gloo: connection reset", error_cause="peer_lost")
+    assert JUDGE.decide(group(survivor, MemberStatus("b"), errors_for_s=1.0)) == KeepTraining()
+    verdict = JUDGE.decide(group(survivor, MemberStatus("b"), errors_for_s=2.5))
+    assert verdict == WorkersLost((LostWorker(
+        "b", "hung: its peers' collectives gave up waiting for it (failure.collective_timeout_s=30.0)", 1),))
+
+
+def test_peer_errors_with_nobody_to_blame_re_form_the_group_as_it_is():
+    survivors = [MemberStatus(n, phase="failed", error="gloo: timeout", error_cause="peer_lost") for n in "ab"]
+    assert JUDGE.decide(group(*survivors, errors_for_s=3.0)) == WorkersLost(())
+
+
+# -- where a generation's state comes from ----------------------------------------------------------------
+
+
+def checkpoint(step: int) -> Checkpoint:
+    return Checkpoint(f"/ckpt/step_{step}", CheckpointManifest(step=step, world_size=2, strategy="ddp",
+                                                               samples_consumed=0, config_hash="h"))
+
+
+@pytest.mark.parametrize("replicated", [True, False])
+def test_a_pending_checkpoint_is_always_loaded(replicated):
+    assert choose_state_source(replicated=replicated, pending=checkpoint(4), member_steps=[9, 9],
+                               newest_checkpoint=checkpoint(8)) == FromCheckpoint(checkpoint(4))
+
+
+def test_replicated_state_comes_from_the_first_most_advanced_member():
+    assert choose_state_source(replicated=True, pending=None, member_steps=[3, 7, 7]) == FromRank(1)
+
+
+def test_a_newer_checkpoint_beats_members_that_lost_the_newest_state():
+    assert members_lack_newest_state([0, 2], run_step=7) and not members_lack_newest_state([0, 7], run_step=7)
+    assert choose_state_source(replicated=True, pending=None, member_steps=[0, 2],
+                               newest_checkpoint=checkpoint(5)) == FromCheckpoint(checkpoint(5))
+    assert choose_state_source(replicated=True, pending=None, member_steps=[0, 6],
+                               newest_checkpoint=checkpoint(5)) == FromRank(1)
+
+
+def test_sharded_state_without_a_checkpoint_starts_from_the_seed():
+    assert choose_state_source(replicated=False, pending=None, member_steps=[0, 0]) == FromSeed()

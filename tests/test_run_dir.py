@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from actors.controller import RunFailed
+from actors.group_status import RunStatus
 from cluster.job import train
 from strategies.checkpoint import latest_checkpoint, read_manifest
 from tests.helpers import job, wait_until_gone
@@ -34,10 +35,10 @@ def strict_json(path: Path) -> dict:
 
 
 class Background:
-    """``train`` in a thread, as a second driver would run it; ``progress`` is its newest progress."""
+    """``train`` in a thread, as a second driver would run it; ``step`` is the newest step it heard of."""
 
     def __init__(self, config, run_dir: Path) -> None:
-        self.progress: dict = {"step": 0}
+        self.step = 0
         self.outcome: object = None
         self.thread = threading.Thread(target=self._run, args=(config, run_dir), daemon=True)
         self.thread.start()
@@ -48,14 +49,14 @@ class Background:
         except BaseException as error:  # noqa: BLE001 - the test inspects it
             self.outcome = error
 
-    def _seen(self, progress: dict) -> None:
-        self.progress = progress
+    def _seen(self, progress: RunStatus) -> None:
+        self.step = progress.step
 
     def wait_for_step(self, step: int, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.progress["step"] < step and self.thread.is_alive() and time.monotonic() < deadline:
+        while self.step < step and self.thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert self.progress["step"] >= step, (self.progress, self.outcome)
+        assert self.step >= step, (self.step, self.outcome)
 
     def result(self, timeout_s: float = 120) -> object:
         self.thread.join(timeout_s)

@@ -113,7 +113,7 @@ def test_training_workers_run_at_normal_priority(tmp_path):
     seen = {}
 
     def look(progress):
-        if progress["step"] >= 3 and not seen:
+        if progress.step >= 3 and not seen:
             seen["workers"] = [_niceness_of_threads(ray.get(ray.get_actor(f"raylastic:nice:worker{i}").pid.remote()))
                                for i in (1, 2)]
             controller_pid = ray.get(ray.get_actor("raylastic:nice:controller").__ray_call__.remote(

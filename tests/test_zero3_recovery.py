@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from actors.group_status import RunStatus
 from cluster.job import train
 from strategies.base import TrainState, init_optimizer_state
 from strategies.fsdp import FSDPStrategy
@@ -151,11 +152,11 @@ def _kill_rank_once(step: int, rank: int) -> tuple[Any, dict[str, Any]]:
     committed ``step`` steps; returns it and what it did."""
     done: dict[str, Any] = {}
 
-    def on_progress(progress: dict[str, Any]) -> None:
-        if done or progress["generation"] != 0 or progress["step"] < step:
+    def on_progress(progress: RunStatus) -> None:
+        if done or progress.generation != 0 or progress.step < step:
             return
-        name = progress["members"][rank]
-        done.update(worker=name, step=progress["step"], pid=ray.get(ray.get_actor(name).pid.remote()))
+        name = progress.members[rank]
+        done.update(worker=name, step=progress.step, pid=ray.get(ray.get_actor(name).pid.remote()))
         os.kill(done["pid"], signal.SIGKILL)
 
     return on_progress, done

@@ -23,7 +23,8 @@ import ray
 from ray import tune
 from ray.tune import PlacementGroupFactory
 
-from actors.controller import ReservedBundles
+from actors.group_status import RunStatus
+from actors.placement import ReservedBundles
 from cluster.config import JobConfig
 from cluster.job import train
 from tuning.search_space import SearchSpace
@@ -86,9 +87,9 @@ class StepReporter:
         self.failures = 0
         self.last: dict[str, Any] = {}
 
-    def __call__(self, progress: dict[str, Any]) -> None:
-        self.failures += sum(event["type"] == "worker_failed" for event in progress["events"])
-        for row in progress["history"]:
+    def __call__(self, progress: RunStatus) -> None:
+        self.failures += sum(event["type"] == "worker_failed" for event in progress.events)
+        for row in progress.history:
             self.last = {key: row[key] for key in STEP_METRICS}
             if not math.isfinite(self.last["loss"]):
                 self.last["loss"] = math.inf  # a diverged trial is the worst one to ASHA, not skipped as NaN

@@ -1,0 +1,294 @@
+"""Write docs/benchmarks.md from the result files under benchmarks/results/ (stdlib only).
+
+One section per ``benchmarks/results/*.json``: the headline figures, the parameters the JSON recorded
+and the command that wrote it. Hand-written notes come from docs/benchmarks-notes.md: its text before
+the first ``## `` heading opens the page, a ``## <file stem>`` section (``## throughput``) follows that
+file's generated section, and any other ``## `` section goes at the end as it is. Run from anywhere::
+
+    .venv/bin/python benchmarks/report.py            # rewrite docs/benchmarks.md
+    .venv/bin/python benchmarks/report.py --check    # exit 1 if docs/benchmarks.md is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+NOTES = REPO_ROOT / "docs" / "benchmarks-notes.md"
+OUTPUT = REPO_ROOT / "docs" / "benchmarks.md"
+
+TITLES = {  # page order; a result file not named here gets a generic section after these
+    "throughput": "Throughput",
+    "step_costs": "Step costs",
+    "step_costs_ray": "Step costs in Ray actors",
+    "recovery": "Recovery and scale-up",
+    "memory": "Memory",
+    "checkpoint": "Checkpoints",
+    "communication": "Communication",
+}
+
+
+def command_of(result: dict) -> str:
+    """The recorded command in its runnable form: ``python benchmarks/x.py`` became ``python -m benchmarks.x``."""
+    recorded = result.get("command") or result.get("machine", {}).get("command", "")
+    module = re.sub(r"^\S*python3?\s+(?:-m\s+benchmarks\.(\w+)|benchmarks/(\w+)\.py)",
+                    lambda m: f".venv/bin/python -m benchmarks.{m.group(1) or m.group(2)}", recorded)
+    return module or "(not recorded)"
+
+
+def machine_line(result: dict) -> str:
+    machine = result.get("machine", {})
+    cpus = machine.get("cpu_count", machine.get("cpus"))
+    parts = [f"{cpus} CPUs" if cpus else None,
+             f"torch {machine['torch']}" if "torch" in machine else None,
+             f"Ray {machine['ray']}" if "ray" in machine else None,
+             f"Python {machine['python']}" if "python" in machine else None]
+    load = (machine.get("loadavg_1_5_15") or machine.get("load_average_at_end")
+            or result.get("load_average_1_5_15_min", {}).get("before") or machine.get("load_avg_1min_before"))
+    if load is not None:
+        load = load[0] if isinstance(load, list) else load
+        parts.append(f"load average {load:.1f}")
+    date = result.get("date") or machine.get("date")
+    git = result.get("code") or machine.get("git")
+    if date:
+        parts.append(f"run {date[:10]}" + (f" at {git.split()[0]}" if git else ""))
+    return ", ".join(p for p in parts if p)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(value: object, digits: int = 3) -> str:
+    if isinstance(value, bool) or value is None:
+        return {True: "yes", False: "no", None: "-"}[value]
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}".rstrip("0").rstrip(".") if abs(value) < 1000 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def params_line(params: dict) -> str:
+    """``key: value`` pairs of a recorded parameter dict, nested dicts flattened with dots."""
+    flat: list[str] = []
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict) and value:
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        elif not (isinstance(value, str) and value.startswith("/tmp/")):  # a temporary path says nothing
+            flat.append(f"`{prefix}`: {value if not isinstance(value, float) else fmt(value)}")
+
+    walk("", params)
+    return ", ".join(flat)
+
+
+def throughput(result: dict) -> list[str]:
+    rows = [[r["workload"], fmt(r["ours_median_samples_per_s"], 1), fmt(r["torchrun_median_samples_per_s"], 1),
+             f"**{r['ratio_ours_over_torchrun']:.3f}**", f"{r['paired_ratio_median']:.3f}",
+             f"{r['median_cpu_ms_per_step']['ours']['rank']} / {r['median_cpu_ms_per_step']['torchrun']['rank']}",
+             f"{r['median_cpu_ms_per_step']['ours']['support']} / {r['median_cpu_ms_per_step']['torchrun']['support']}",
+             fmt(max(m["max_param_diff"] for m in r["torchrun"]))]
+            for r in result["results"]]
+    out = [f"Ours / torchrun steady-state samples/s, 2 workers (goal: at least {result['goal_ratio']}):", "",
+           table(["workload", "ours samples/s", "torchrun", "ratio of medians", "paired ratio",
+                  "rank CPU ms/step, ours / torchrun", "support CPU ms/step, ours / torchrun",
+                  "largest parameter difference"], rows), ""]
+    out += [f"- `{r['workload']}` ({len(r['ours'])} rounds, {r['steps']} steps, first {r['warmup_steps']} not "
+            f"measured; load average {r['load_average_1_5_15_min']['before'][0]} before, "
+            f"{r['load_average_1_5_15_min']['after'][0]} after): {params_line(r['job'])}" for r in result["results"]]
+    out += [""] + [f"- {key}: {text}" for key, text in result.get("method", {}).items() if isinstance(text, str)]
+    return out
+
+
+STEP_VARIANTS = {"peer": "the peer's step (torchrun side)", "steprunner": "our StepRunner",
+                 "+vote": "+ the stop vote (what a worker runs)", "-norm": "ours with torch's clip_grad_norm_",
+                 "-seed": "ours without the per-micro-batch RNG seed", "-loader": "ours with the peer's batches"}
+
+
+def step_costs(result: dict) -> list[str]:
+    ratios, medians = result["paired_ratio_to_peer"], result["median_us_per_step"]
+    rows = [[STEP_VARIANTS.get(v, v), fmt(medians[v]["wall"] / 1000, 1), f"**{ratios[v]['wall']:.3f}**",
+             f"{ratios[v]['thread_cpu']:.3f}", f"{ratios[v]['process_cpu']:.3f}"] for v in ratios]
+    pieces = [[piece, fmt(us, 1)] for piece, us in result["piece_us_per_call"].items()]
+    return [f"In {result.get('where', 'the same processes')}: median over {result['rounds']} rounds of "
+            f"{result['steps']} steps of each variant's time per step against the peer's in the same round:", "",
+            table(["variant", "median ms/step (wall)", "wall ratio", "thread CPU ratio", "process CPU ratio"], rows),
+            "", "Per call, us:", "", table(["piece", "us"], pieces), "",
+            f"Job: {params_line(result['job'])}.",
+            "Measures: " + "; ".join(f"{k}: {v}" for k, v in result.get("measures", {}).items()) + "."]
+
+
+def recovery(result: dict) -> list[str]:
+    medians, goals, met = result["medians"], result["goals"], result["goals_met"]
+    ours, ours2, peer, up = medians["ours_min1"], medians["ours_min2"], medians["ray_train"], medians["scale_up"]
+    rows = [["ours, `min_workers` 1 (survivor goes on)", f"**{ours['recovery_s']:.2f}**", ours["steps_redone"],
+             f"detected {ours['detected_s']:.3f}, generation formed {ours['generation_formed_s']:.3f}"],
+            ["ours, `min_workers` 2 (a replacement must start)", f"{ours2['recovery_s']:.2f}", ours2["steps_redone"],
+             f"detected {ours2['detected_s']:.3f}, waiting for the replacement {ours2['recover_s']:.2f}, "
+             f"generation formed {ours2['generation_formed_s']:.2f}"],
+            ["Ray Train TorchTrainer", f"**{peer['recovery_s']:.2f}**", peer["steps_redone"],
+             f"train function restarted {peer['train_fn_restarted_s']:.2f}, resumed from step {peer['resumed_from']}"]]
+    startup = medians.get("startup", {})
+    out = [f"Kill to next step, median over the rounds: Ray Train / ours = "
+           f"**{result['ray_train_over_ours_recovery']:.0f}x**.", "",
+           table(["side", "recovery s", "steps redone", "breakdown, s"], rows), "",
+           f"Scale-up (resources appear -> first step at 2 workers): **{up['scale_up_s']:.2f} s** = slot placed and "
+           f"scaling check {up['slot_and_scaling_tick_s']:.2f} + new actor constructed {up['actor_construction_s']:.2f}"
+           f" + step boundary {up['tick_and_step_boundary_s']:.3f} + generation formed {up['generation_formed_s']:.2f}"
+           f" + first step {up['first_step_s']:.3f}."]
+    if startup:
+        out += ["", "A worker's start-up, s: " + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f}"
+                                                        for k, v in startup.items()) + "."]
+    out += ["", "Goals: " + ", ".join(f"{k} {v}: {'met' if met.get(k) else 'not met'}" for k, v in goals.items()) + ".",
+            "", f"Job: {params_line(result['job'])}.", "",
+            "Definitions:", ""] + [f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
+    out += ["", "Ray Train facts the JSON records (paths in the installed ray package):", ""]
+    out += [f"- {k}: {v}" for k, v in result.get("ray_train_facts", {}).items()]
+    return out
+
+
+def memory(result: dict) -> list[str]:
+    params = result["model"]["parameters"]
+    rows = []
+    for r in result["results"]:
+        ranks = r["ranks"]
+        buckets = ranks[0].get("ddp_buckets")
+        rows.append([r["strategy"], r["world_size"], fmt(r["formula_bytes_per_parameter"]),
+                     fmt(max(k["resident_bytes_per_parameter"] for k in ranks), 2),
+                     fmt(max(k["peak_bytes_per_parameter"] for k in ranks), 2), r["compared"],
+                     f"{r['worst_deviation']:.1%}", fmt(buckets / params, 2) if buckets else "-"])
+    return [f"Bytes per parameter on each rank, {params:,}-parameter GPT ({params_line(result['model'])}), "
+            f"{result['optimizer']}; goal: within {result['goal_max_deviation']:.0%} of the ZeRO paper's formula:", "",
+            table(["strategy", "N", "formula", "resident", "peak", "compared", "worst deviation",
+                   "+ DDP buckets"], rows), "", "Definitions:", ""] + [
+        f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
+
+
+def checkpoint(result: dict) -> list[str]:
+    rows = []
+    for r in result["save_load"]:
+        m = r["medians"]
+        rows.append([r["world_size"], f"{r['dcp_bytes'] / 1e6:,.0f}", f"**{m['dcp_save_s']:.2f}**",
+                     f"{m['torch_save_s']:.2f}", f"{m['dcp_load_s']:.2f}",
+                     f"{m['dcp_resharded_load_s']:.2f} (from {r['resharded_load']['from_world_size']})",
+                     f"{m['torch_load_s']:.2f}"])
+    a = result["async_save"]
+    # The JSON keeps the script's docstring: its first paragraph is the title, its last sentence says how long it runs.
+    method = result.get("definitions", "").split("\n\n", 1)[-1].split("Run from the repository root")[0].strip()
+    return ["Sharded DCP save and load against rank-0 `torch.save`, zero3, medians, s:", "",
+            table(["N", "MB", "DCP save", "torch.save (gather + write)", "DCP load", "DCP load, resharded",
+                   "torch.load + scatter"], rows), "",
+            f"Async save ({a['model']['parameters']:,}-parameter GPT, N={a['world_size']}, global batch "
+            f"{a['global_batch_size']}, a save after step {a['save_after_step']} of each {a['period_steps']}-step "
+            f"period): the training thread is blocked **{a['median_save_call_s']['async']:.2f} s** against "
+            f"{a['median_save_call_s']['sync']:.2f} s for a sync save ({a['blocking_overhead']['async']:.1%} / "
+            f"{a['blocking_overhead']['sync']:.1%} of a period's step time); counting the background writer's CPU, "
+            f"a period costs +{a['step_time_overhead']['async']:.1%} (async) / +{a['step_time_overhead']['sync']:.1%} "
+            f"(sync). Goal: async save under {result['goal_async_overhead_below']:.0%}: "
+            f"{'met' if a['async_meets_goal'] else 'not met'}.", "", "Method:", "", *method.splitlines()]
+
+
+def communication(result: dict) -> list[str]:
+    rows = [[r["option"], r["world_size"], f"**{r['bytes_ratio']:.1f}**" + (f" ({r['bytes_goal']:g})"
+                                                                         if r["bytes_goal"] else ""),
+             f"{r['wire_ratio_estimate']:.1f}", f"{r['loss_ratio']:.3f}", f"{r['samples_per_s_ratio']:.2f}",
+             f"{r['exposed_comm_share']:.0%}"] for r in result["relative_to_uncompressed"]]
+    bucket = result["bucket_size_vs_throughput"]
+    bucket_rows = [[b["bucket_cap_mb"], b["samples_per_s"], f"{b['exposed_comm_share']:.0%}"] for b in bucket["rows"]]
+    setup = {k: v for k, v in result["setup"].items() if not isinstance(v, str) or len(v) < 80}
+    notes = [f"- {k}: {v}" for k, v in result["setup"].items() if isinstance(v, str) and len(v) >= 80]
+    return [f"Relative to uncompressed DDP (goals: bytes as in brackets, loss within "
+            f"{result['goals']['loss_ratio_within']:.0%}):", "",
+            table(["option", "N", "bytes ratio (goal)", "wire ratio, estimated", "loss vs none",
+                   "samples/s vs none", "exposed comm share"], rows), "",
+            f"Bucket size at {bucket['world_size']} workers, `{bucket['option']}`:", "",
+            table(["bucket_cap_mb", "samples/s", "exposed comm share"], bucket_rows), "",
+            f"Setup: {params_line(setup)}.", "", *notes, *([f"- {result['machine']['note']}"]
+                                                          if "note" in result.get("machine", {}) else [])]
+
+
+def generic(result: dict) -> list[str]:
+    scalars = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k not in ("command", "date")}
+    return [f"Recorded: {params_line(scalars)}." if scalars else "(no scalar fields recorded)"]
+
+
+RENDERERS: dict[str, Callable[[dict], list[str]]] = {
+    "throughput": throughput, "step_costs": step_costs, "step_costs_ray": step_costs, "recovery": recovery,
+    "memory": memory, "checkpoint": checkpoint, "communication": communication}
+
+
+def read_notes() -> tuple[str, dict[str, str]]:
+    """The notes file's opening text and its ``## `` sections by heading."""
+    if not NOTES.exists():
+        return "", {}
+    text = NOTES.read_text()
+    text = re.sub(r"<!--.*?-->\n?", "", text, flags=re.S)  # the file's comment says what it is for
+    opening, *sections = re.split(r"^## ", text, flags=re.M)
+    return opening.strip(), {s.split("\n", 1)[0].strip(): s.split("\n", 1)[1].strip() if "\n" in s else ""
+                             for s in sections}
+
+
+def section(stem: str, result: dict, images: list[str], note: str | None) -> list[str]:
+    out = [f"## {TITLES.get(stem, stem)}", "", f"*{result.get('benchmark', stem)}*", "",
+           "```bash", command_of(result), "```", "",
+           f"Writes `benchmarks/results/{stem}.json`; recorded on {machine_line(result)}.", ""]
+    try:
+        out += RENDERERS.get(stem, generic)(result)
+    except (KeyError, TypeError, ValueError) as error:  # a changed JSON layout still gets a section
+        print(f"report.py: {stem}.json: {type(error).__name__}: {error}; showing its scalar fields", file=sys.stderr)
+        out += generic(result)
+    out += [""] + [f"![{image}](../benchmarks/results/{image})" for image in images] + ([""] if images else [])
+    if note:
+        out += [note, ""]
+    return out
+
+
+def render() -> str:
+    opening, notes = read_notes()
+    stems = sorted((p.stem for p in RESULTS.glob("*.json")), key=lambda s: (list(TITLES).index(s)
+                                                                          if s in TITLES else len(TITLES), s))
+    owners = {}  # an image belongs to the longest result stem it starts with: step_costs_ray_x.png to step_costs_ray
+    for image in sorted(RESULTS.glob("*.png")):
+        stems_of = [s for s in stems if image.stem == s or image.stem.startswith(s + "_")]
+        if stems_of:
+            owners[image.name] = max(stems_of, key=len)
+    lines = ["# Benchmarks", "",
+             "<!-- Generated by `.venv/bin/python benchmarks/report.py` from benchmarks/results/*.json and "
+             "docs/benchmarks-notes.md: edit those, not this file. -->", ""]
+    if opening:
+        lines += [opening, ""]
+    for stem in stems:
+        owned = [image for image, owner in owners.items() if owner == stem]
+        lines += section(stem, json.loads((RESULTS / f"{stem}.json").read_text()), owned, notes.pop(stem, None))
+    for heading, text in notes.items():  # notes about no single result file: histories, retired scripts
+        lines += [f"## {heading}", "", text, ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = OUTPUT.read_text() if OUTPUT.exists() else ""
+        if current != text:
+            print(f"{OUTPUT.relative_to(REPO_ROOT)} is out of date: run .venv/bin/python benchmarks/report.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT.relative_to(REPO_ROOT)} from {len(list(RESULTS.glob('*.json')))} result files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

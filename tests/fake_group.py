@@ -1,0 +1,211 @@
+"""A fake WorkerGroup for the Controller's state-machine tests: no Ray, no processes, no sleeps.
+
+It plays a group whose members train one step per poll. A test scripts what goes wrong:
+
+    group = FakeGroup(workers=2)
+    group.fail("join", MembersFailed([LostWorker("w1", "actor died", 1)]))   # the next join raises it
+    group.on_poll(lambda status: ...)                                        # rewrite the next poll's status
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from actors.group_status import GroupStatus, LostWorker, MemberStatus, RankNews
+from actors.step_loop import StepResult
+from actors.worker import JoinReport, WorkerStatus
+from strategies.checkpoint import CheckpointManifest, write_manifest
+
+
+class FakeGroup:
+    def __init__(self, workers: int = 2, *, placeable: int | None = None, spares: int = 0,
+                 checkpoint_root: Path | None = None, config_hash: str = "", replicated: bool = True) -> None:
+        """``placeable``: how many of the first workers start (default all); ``spares``: workers a later
+        ``add_joiners`` can start; ``replicated``: members keep their state across a join (else step 0)."""
+        self.members = [f"w{i}" for i in range(workers)]
+        self.placeable = workers if placeable is None else placeable
+        self.spares = spares
+        self.ready: list[str] = []
+        self.draining: set[str] = set()
+        self.generation = -1
+        self.steps = {name: 0 for name in self.members}
+        """Each member's committed step."""
+        self.until_step = 0
+        self.phase: dict[str, str] = {}
+        self.calls: list[str] = []
+        """Every call the Controller made, in order ("join", "restore", "train", "poll", ...)."""
+        self.failures: dict[str, list[Exception]] = {}
+        self.poll_rewrites: list[Callable[[GroupStatus], GroupStatus]] = []
+        self.checkpoint_root = checkpoint_root
+        self.config_hash = config_hash
+        self.stop_at_boundary = False
+        self.replicated = replicated
+        self.shut_down = False
+        self._spawned = workers
+
+    # -- scripting ------------------------------------------------------------------------------------------
+    def fail(self, method: str, error: Exception) -> None:
+        """The next call of ``method`` raises ``error``."""
+        self.failures.setdefault(method, []).append(error)
+
+    def on_poll(self, rewrite: Callable[[GroupStatus], GroupStatus]) -> None:
+        """The next poll's status goes through ``rewrite``."""
+        self.poll_rewrites.append(rewrite)
+
+    def _call(self, method: str) -> None:
+        self.calls.append(method)
+        if self.failures.get(method):
+            raise self.failures[method].pop(0)
+
+    # -- the WorkerGroup interface --------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def member_names(self) -> list[str]:
+        return list(self.members)
+
+    num_joining = 0
+    """Joiners are ready as soon as they are started."""
+
+    def place(self, *, max_workers: int, min_workers: int, timeout_s: float) -> list[LostWorker]:
+        self._call("place")
+        lost = [LostWorker(name, "not started within scaling.placement_timeout_s") for name in
+                self.members[self.placeable:]]
+        self.members = self.members[:self.placeable]
+        return lost
+
+    def capacity_note(self) -> str:
+        return "(each needs {'CPU': 1})"
+
+    def form(self, *, run_step: int) -> list[JoinReport]:
+        self._call("join")
+        self.generation += 1
+        if not self.replicated:  # sharded state is built afresh for every group
+            self.steps = dict.fromkeys(self.members, 0)
+        return [JoinReport(node_id="node", step=self.steps.setdefault(name, 0)) for name in self.members]
+
+    def call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1) -> list:
+        self._call(method)
+        if method == "sync_state":
+            source = self.members[args[0][0]]
+            self.steps = {name: self.steps[source] for name in self.members}
+            return [self.steps[source]] * self.size
+        if method == "restore":
+            self.steps = {name: args[0][1] for name in self.members}
+            return [args[0][1]] * self.size
+        if method == "save_checkpoint":
+            return [self._save()] * self.size
+        if method == "evaluate":
+            return [{"accuracy": 0.9}] * self.size
+        if method == "full_state_dict":
+            return [{}] + [None] * (self.size - 1)
+        if method == "memory":
+            return [{"parameters": 1}] * self.size
+        raise AssertionError(f"unexpected call_all({method!r})")
+
+    def call_one(self, rank: int, method: str, *args: object) -> object:
+        self._call(method)
+        return {}
+
+    def start_training(self, until_step: int, faults: list) -> None:
+        self._call("train")
+        self.until_step = until_step
+        self.phase = {name: "training" for name in self.members}
+        self.stop_at_boundary = False
+
+    def poll(self) -> GroupStatus:
+        self._call("poll")
+        news = []
+        for rank, name in enumerate(self.members):
+            if self.phase[name] != "training":
+                continue
+            if self.steps[name] >= self.until_step:
+                self.phase[name] = "finished"
+            elif self.stop_at_boundary:
+                self.phase[name] = "stopped"
+            else:
+                self.steps[name] += 1
+                result = StepResult(step=self.steps[name], loss_sum=1.0, samples=4, duration_s=0.01,
+                                    finished_at=time.time())
+                news.append(RankNews(rank, WorkerStatus(self.phase[name], self.steps[name], [result])))
+        status = self._status(tuple(news))
+        while self.poll_rewrites:
+            status = self.poll_rewrites.pop(0)(status)
+        return status
+
+    def end_generation(self) -> GroupStatus:
+        self._call("end_generation")
+        return self._status(())
+
+    def request_boundary(self) -> None:
+        self.stop_at_boundary = True
+
+    def drain(self, *, rank: int | None = None, node_id: str | None = None) -> list[str]:
+        self.draining |= {self.members[rank]} if rank is not None else set()
+        return sorted(self.draining)
+
+    def add_joiners(self, count: int, *, timeout_s: float = 0.0) -> None:
+        started = min(count, self.spares)
+        self.spares -= started
+        for _ in range(started):  # constructed at once
+            self.ready.append(f"w{self._spawned}")
+            self._spawned += 1
+
+    def wait_for_joiners(self, timeout_s: float) -> None:
+        self.calls.append("wait_for_joiners")
+
+    def admit_ready_joiners(self) -> list[str]:
+        admitted, self.ready = self.ready, []
+        self.members += admitted
+        return admitted
+
+    def remove_drained(self) -> list[str]:
+        leaving = [name for name in self.members if name in self.draining]
+        self.members = [name for name in self.members if name not in self.draining]
+        self.draining = set()
+        return leaving
+
+    def drop(self, name: str) -> None:
+        self.calls.append(f"drop {name}")
+        self.members = [m for m in self.members if m != name]
+        self.steps.pop(name, None)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+    # -- helpers --------------------------------------------------------------------------------------------
+    def _status(self, news: tuple[RankNews, ...]) -> GroupStatus:
+        return GroupStatus(generation=self.generation, news=news,
+                           members=tuple(MemberStatus(name, phase=self.phase.get(name, "training"))
+                                         for name in self.members),
+                           num_joiners_ready=len(self.ready),
+                           draining=bool(self.draining))
+
+    def _save(self) -> str:
+        step = max(self.steps.values())
+        directory = self.checkpoint_root / f"step_{step:08d}"
+        write_checkpoint(directory, step, self.size, self.config_hash)
+        return str(directory)
+
+
+def write_checkpoint(directory: Path, step: int, world_size: int, config_hash: str) -> None:
+    """A small real DCP checkpoint with its manifest: the Controller verifies it, the fake workers never load it."""
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"weight": torch.zeros(2)}, checkpoint_id=str(directory))
+    write_manifest(str(directory), CheckpointManifest(step=step, world_size=world_size, strategy="fake",
+                                                      samples_consumed=0, config_hash=config_hash))
+
+
+def with_member(status: GroupStatus, name: str, **changes: object) -> GroupStatus:
+    """``status`` with member ``name``'s status changed."""
+    return replace(status, members=tuple(replace(m, **changes) if m.name == name else m for m in status.members))
