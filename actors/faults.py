@@ -1,14 +1,26 @@
-"""Fault injection from configuration (``faults: [{action, rank, step}]``), executed inside a worker.
+"""Fault injection from configuration (``faults: [{action, rank, step}]``): each fault fires once per run.
 
-The worker checks before each step; a fault fires while its step is in flight, so the peers are
-left inside that step's collectives, as with a real crash. ``ray_kill`` is executed by the
-Controller instead: the worker waits inside its step until ``ray.kill`` comes (actors/watch.py).
+The Controller keeps the faults not yet fired (``FaultPlan``) and gives each worker those aimed at
+its rank when a generation starts training; the worker's ``FaultInjector`` checks before each
+step, as torchft's tests inject ``fail_at(rank, step)``. A fault fires while its step is in flight,
+so the peers are left inside that step's collectives, as with a real crash. ``ray_kill`` is
+executed by the Controller instead: the worker waits inside its step until ``ray.kill`` comes
+(actors/watch.py)::
+
+    plan = FaultPlan(job.faults)                          # Controller
+    worker.train.remote(until_step, plan.for_rank(rank))
+    plan.disarm(failed_ranks={1}, step=29)                # after a failure: fired faults never fire again
+
+    injector = FaultInjector(faults, on_ray_kill=announce)  # worker, per generation
+    injector.before_step(30)                              # step loop: fires the faults of step 30
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+from collections.abc import Callable, Sequence
 
 import ray
 
@@ -17,6 +29,55 @@ from cluster.config import FaultConfig
 
 class InjectedFault(RuntimeError):
     """Raised by the ``raise`` fault: an ordinary exception in one worker's step."""
+
+
+class FaultPlan:
+    """The run's injected faults that have not fired yet; pure bookkeeping for the Controller.
+
+        plan = FaultPlan([FaultConfig(action="kill", rank=1, step=30)])
+        plan.for_rank(1)                        # (FaultConfig(action='kill', rank=1, step=30),)
+        plan.disarm(failed_ranks={1}, step=29)  # rank 1 died with step 30 in flight: its fault fired
+        plan.for_rank(1)                        # ()
+    """
+
+    def __init__(self, faults: Sequence[FaultConfig]) -> None:
+        self.pending: list[FaultConfig] = list(faults)
+
+    def for_rank(self, rank: int) -> tuple[FaultConfig, ...]:
+        """The pending faults aimed at ``rank`` of the generation about to train."""
+        return tuple(f for f in self.pending if f.rank == rank)
+
+    def disarm(self, failed_ranks: set[int], step: int) -> None:
+        """After a failure at committed step ``step``: drop the faults of steps already begun (up to
+        ``step + 1``, on every rank), and the first later one of each failed rank (it may have fired
+        after the last step the Controller heard of)."""
+        fired = [min((f for f in self.pending if f.rank == rank and f.step > step), key=lambda f: f.step,
+                     default=None) for rank in failed_ranks]
+        self.pending = [f for f in self.pending if f.step > step + 1 and f not in fired]
+
+
+class FaultInjector:
+    """The faults aimed at one worker's rank in one generation; the step loop calls ``before_step``."""
+
+    def __init__(self, faults: Sequence[FaultConfig] = (), *, on_ray_kill: Callable[[], None]) -> None:
+        self.faults = tuple(faults)
+        self.on_ray_kill = on_ray_kill
+        """Tells the Controller this worker waits to be killed (the worker's phase "awaiting_kill")."""
+
+    def before_step(self, step: int) -> None:
+        """Fire the faults of ``step`` (1-based), in their order; only ``raise`` returns (by raising)."""
+        for fault in self.faults:
+            if fault.step != step:
+                continue
+            if fault.action == "ray_kill":
+                self._wait_for_ray_kill()
+            else:
+                fire(fault)
+
+    def _wait_for_ray_kill(self) -> None:
+        """Never returns: the Controller sees the announcement and ray.kill()s this actor."""
+        self.on_ray_kill()
+        threading.Event().wait()
 
 
 def fire(fault: FaultConfig) -> None:

@@ -1,0 +1,149 @@
+"""A worker's step loop, in a thread of its own so that the actor keeps answering ``poll`` while it trains.
+
+Each step: the injected faults of the step, a stop vote when one is due, the step itself, its
+result to the status mailbox, the profiler, a periodic save and a periodic evaluation. The loop
+ends at ``until_step`` ("finished"), after a stop vote ("stopped") or on an error ("failed", with
+its cause)::
+
+    loop = TrainingLoop(runner=runner, dataset=dataset, evaluator=evaluator, saver=saver, status=status,
+                        device=device, training=spec.training, data=spec.data, eval=spec.eval)
+    loop.start(state, until_step=100, injector=FaultInjector(faults, on_ray_kill=...))
+    loop.request_stop()                 # every rank stops after the same step
+    loop.leave(collective_timeout_s=60)  # before joining another group; raises TrainingThreadHung
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from actors.async_saver import AsyncSaver
+from actors.evaluation import Evaluator
+from actors.failures import is_peer_loss
+from actors.faults import FaultInjector
+from actors.mailbox import StatusMailbox
+from actors.step_loop import StepRunner
+from actors.stop_vote import StopVote
+from cluster.config import DataConfig, EvalConfig, TrainingConfig
+from strategies.base import TrainState
+from strategies.process_group import abort_group
+
+LOOP_EXIT_GRACE_S = 5.0
+"""Beyond the collective timeout: how long a leaving loop thread may take to give up on its peers."""
+
+
+class TrainingThreadHung(RuntimeError):
+    """The step-loop thread did not end when asked: the Controller replaces this worker."""
+
+
+class TrainingLoop:
+    def __init__(self, *, runner: StepRunner, dataset: Dataset, evaluator: Evaluator, saver: AsyncSaver,
+                 status: StatusMailbox, device: torch.device, training: TrainingConfig, data: DataConfig,
+                 eval: EvalConfig, profile_dir: str | None = None) -> None:
+        self.runner = runner
+        self.dataset = dataset
+        self.evaluator = evaluator
+        self.saver = saver
+        self.status = status
+        self.device = device
+        self.training = training
+        self.data = data
+        self.eval = eval
+        self.profile_dir = profile_dir
+        """Where rank 0 writes its torch profiler trace when training.profile_steps > 0."""
+        self._stop_requested = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._profiled = False
+
+    def start(self, state: TrainState, until_step: int, injector: FaultInjector) -> None:
+        """Start the thread; it trains ``state`` until ``until_step``, a stop vote, or an error."""
+        self.wait(timeout_s=0.0)
+        self.status.set_phase("training")
+        self._thread = threading.Thread(target=self._run, args=(state, until_step, injector), name="step-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        """Vote to stop at a step boundary (the next vote's, ~actors.stop_vote.VOTE_PERIOD_S away)."""
+        self._stop_requested.set()
+
+    def forget_stop_request(self) -> None:
+        self._stop_requested.clear()
+
+    def leave(self, collective_timeout_s: float) -> None:
+        """Before this worker leaves its group: let the thread end. One stuck in a collective of the broken
+        generation is made to raise (NCCL) and has the collective timeout to give up on its peers."""
+        if self._thread is not None:
+            self._thread.join(LOOP_EXIT_GRACE_S)  # a loop that stopped at a step boundary is ending anyway
+            if self._thread.is_alive():
+                abort_group()  # NCCL: the loop is stuck in the broken generation's collective; make it raise now
+        self.wait(timeout_s=collective_timeout_s + LOOP_EXIT_GRACE_S)
+
+    def wait(self, timeout_s: float) -> None:
+        """Let the thread end; one still running after ``timeout_s`` is hung (in user code, or in a
+        collective its peers left), and this worker cannot join another group beside it."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TrainingThreadHung(f"the training thread is still running {timeout_s:.0f}s after it was "
+                                         f"asked to end (phase {self.status.phase}, step {self.status.step})")
+            self._thread = None
+
+    def _run(self, state: TrainState, until_step: int, injector: FaultInjector) -> None:
+        try:
+            with self._profiler() as profiler:
+                self._steps(state, until_step, injector, profiler)
+        except BaseException as error:  # noqa: BLE001 - any failure is reported (DCP's errors are BaseExceptions)
+            cause = "peer_lost" if is_peer_loss(error) else "job"
+            self.status.set_phase("failed", f"{type(error).__name__}: {error}\n{traceback.format_exc()}", cause)
+
+    def _steps(self, state: TrainState, until_step: int, injector: FaultInjector, profiler: Any) -> None:
+        status, compiling = self.status, self.training.compile
+        vote = StopVote(first_step=status.step, device=self.device)
+        batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
+        while status.step < until_step:
+            injector.before_step(status.step + 1)
+            step_index = status.step
+            voting = vote.due(step_index)
+            if voting:
+                vote.open(step_index, stop=self._stop_requested.is_set())
+            with status.step_in_flight():
+                result = self.runner.run(state, step_index, batches)
+            # torch.compile compiles lazily, in the generation's first step
+            status.commit(result, {"type": "compiled", "step": result.step,
+                                   "first_step_s": round(result.duration_s, 3)} if compiling else None)
+            compiling = False
+            # Only now: the optimizer has stepped, so a vote that fails (a peer lost since its gradients
+            # arrived) must find the step counted, or the next generation would train this step again.
+            stop = vote.close(step_index) if voting else False
+            if profiler is not None:
+                profiler.step()
+            self.saver.after_step(status.step)
+            if self.eval.every_steps and status.step % self.eval.every_steps == 0 and status.step < self.training.steps:
+                self._evaluate_periodically(state)  # every rank reaches this step: the last one is _finish's
+            if stop:
+                status.set_phase("stopped")
+                return
+        status.set_phase("finished")
+
+    def _evaluate_periodically(self, state: TrainState) -> None:
+        metrics = self.evaluator.run(state.model)
+        if dist.get_rank() == 0:
+            self.status.post_evaluation({"step": self.status.step, "time": time.time(), **metrics})
+
+    def _profiler(self) -> contextlib.AbstractContextManager:
+        """Rank 0 traces ``training.profile_steps`` steps once per run (after 1 wait + 1 warm-up step)."""
+        steps = self.training.profile_steps
+        if not steps or self._profiled or dist.get_rank() != 0 or self.profile_dir is None:
+            return contextlib.nullcontext()
+        self._profiled = True
+        schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1)
+        return torch.profiler.profile(schedule=schedule,
+                                      on_trace_ready=torch.profiler.tensorboard_trace_handler(self.profile_dir))

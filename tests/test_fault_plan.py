@@ -1,0 +1,56 @@
+"""Injected faults fire once per run: the Controller's FaultPlan, and the worker's FaultInjector.
+
+    python -m pytest tests/test_fault_plan.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.faults import FaultInjector, FaultPlan, InjectedFault
+from cluster.config import FaultConfig
+
+
+def fault(rank: int, step: int, action: str = "kill") -> FaultConfig:
+    return FaultConfig(action=action, rank=rank, step=step)
+
+
+def test_each_rank_gets_its_own_faults_in_order():
+    plan = FaultPlan([fault(1, 30), fault(0, 10), fault(1, 20, "raise")])
+    assert plan.for_rank(1) == (fault(1, 30), fault(1, 20, "raise"))
+    assert plan.for_rank(0) == (fault(0, 10),)
+    assert plan.for_rank(2) == ()
+
+
+def test_a_failed_rank_loses_the_fault_it_was_given_first():
+    plan = FaultPlan([fault(1, 30), fault(1, 40), fault(0, 35)])
+    plan.disarm(failed_ranks={1}, step=25)  # the Controller heard of step 25; rank 1's kill at 30 may have fired
+    assert plan.pending == [fault(1, 40), fault(0, 35)]
+
+
+def test_faults_of_steps_already_begun_are_dropped_on_every_rank():
+    plan = FaultPlan([fault(0, 5), fault(0, 11), fault(1, 12), fault(1, 20)])
+    plan.disarm(failed_ranks=set(), step=10)  # step 11 was in flight: begun on every rank
+    assert plan.pending == [fault(1, 12), fault(1, 20)]
+
+
+def test_a_failed_rank_without_later_faults_drops_nothing_else():
+    plan = FaultPlan([fault(0, 30)])
+    plan.disarm(failed_ranks={1}, step=10)
+    assert plan.for_rank(0) == (fault(0, 30),)
+
+
+def test_disarming_leaves_the_faults_it_was_built_from_alone():
+    faults = [fault(0, 1)]
+    FaultPlan(faults).disarm(failed_ranks={0}, step=0)
+    assert faults == [fault(0, 1)]
+
+
+def test_the_injector_fires_a_fault_before_its_step_only():
+    announced = []
+    injector = FaultInjector([fault(0, 3, "raise")], on_ray_kill=lambda: announced.append(True))
+    injector.before_step(2)
+    with pytest.raises(InjectedFault, match="step 3 on rank 0"):
+        injector.before_step(3)
+    injector.before_step(4)
+    assert announced == []
