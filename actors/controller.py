@@ -31,7 +31,7 @@ from actors.policies import FailurePolicy, Raise, Resize, ScalingPolicy, Scaling
 from actors.run_metrics import RunMetrics
 from actors.watch import Finished, Interrupted, JobFailed, Watcher, WorkersFailed, death_reason
 from actors.worker import TrainingThreadHung, WorkerSpec
-from cluster.config import FaultConfig, JobConfig
+from jobconfig import FaultConfig, JobConfig
 from strategies import build_strategy
 from strategies.checkpoint import Checkpoint, Checkpointer, latest_checkpoint, newest_loadable, read_manifest
 from strategies.process_group import GroupAssignment, host_store, new_store_prefix

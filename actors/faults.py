@@ -12,7 +12,7 @@ import signal
 
 import ray
 
-from cluster.config import FaultConfig
+from jobconfig import FaultConfig
 
 
 class InjectedFault(RuntimeError):

@@ -43,7 +43,7 @@ from actors.priority import run_at_normal_priority
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepResult, StepRunner
 from actors.stop_vote import StopVote
-from cluster.config import (
+from jobconfig import (
     DataConfig,
     EvalConfig,
     FaultConfig,

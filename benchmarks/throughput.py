@@ -48,7 +48,7 @@ import torch
 from benchmarks._cpu_meter import CpuMeter, Measurement, descendants
 from cluster.connect import ray_session
 from cluster.job import train
-from cluster.loading import job_config_from_dict
+from jobconfig import job_config_from_dict
 from workloads.tokens import prepare_corpus, stdlib_corpus_files
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

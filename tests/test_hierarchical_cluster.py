@@ -22,6 +22,7 @@ from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
 
 from cluster.job import train
+from jobconfig.naming import NAMESPACE
 from tests.conftest import REPO_ROOT
 from tests.helpers import assert_states_close, job, load_model
 
@@ -38,7 +39,7 @@ def two_nodes():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="raylastic",
+    ray.init(address=cluster.address, namespace=NAMESPACE,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
     try:
         yield cluster
