@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 from actors.data_order import GlobalSampleOrder, micro_batches
-from cluster.config import DataConfig
+from jobconfig import DataConfig
 
 Collate = Callable[[list[Any]], Any]
 

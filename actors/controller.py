@@ -62,7 +62,7 @@ from actors.run_states import (
     WaitingForWorkers,
 )
 from actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
-from cluster.config import JobConfig
+from jobconfig import JobConfig
 from strategies import build_strategy
 from strategies.checkpoint import Checkpoint, Checkpointer, read_manifest
 

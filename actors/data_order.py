@@ -33,18 +33,11 @@ class GlobalSampleOrder:
             self._permutations[epoch] = torch.randperm(self.num_samples, generator=generator)
         return self._permutations[epoch]
 
-    def step_indices(self, step: int) -> torch.Tensor:
-        """Dataset indices of the whole global batch of ``step`` (0-based), in stream order."""
-        return self._stream_slice(step * self.global_batch_size, (step + 1) * self.global_batch_size)
-
     def rank_indices(self, step: int, rank: int, world_size: int) -> torch.Tensor:
         """The contiguous part of step ``step``'s global batch that ``rank`` of ``world_size`` trains on."""
         start, stop = rank_slice(self.global_batch_size, rank, world_size)
         base = step * self.global_batch_size
         return self._stream_slice(base + start, base + stop)
-
-    def epoch_of(self, step: int) -> int:
-        return step * self.global_batch_size // self.num_samples
 
     def _stream_slice(self, start: int, stop: int) -> torch.Tensor:
         parts = []

@@ -5,7 +5,7 @@ its rank when a generation starts training; the worker's ``FaultInjector`` check
 step, as torchft's tests inject ``fail_at(rank, step)``. A fault fires while its step is in flight,
 so the peers are left inside that step's collectives, as with a real crash. ``ray_kill`` is
 executed by the Controller instead: the worker waits inside its step until ``ray.kill`` comes
-(actors/watch.py)::
+(actors/poller.py)::
 
     plan = FaultPlan(job.faults)                          # Controller
     worker.train.remote(until_step, plan.for_rank(rank))
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import ray
 
-from cluster.config import FaultConfig
+from jobconfig import FaultConfig
 
 
 class InjectedFault(RuntimeError):
@@ -105,17 +105,3 @@ def _kill_own_raylet() -> None:
     os.kill(raylet, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
-
-class FaultPlan:
-    """The run's injected faults still to fire (temporary: replaced by the worker split's version)."""
-
-    def __init__(self, faults) -> None:
-        self.pending: list[FaultConfig] = list(faults)
-
-    def for_rank(self, rank: int) -> tuple[FaultConfig, ...]:
-        return tuple(f for f in self.pending if f.rank == rank)
-
-    def disarm(self, failed_ranks: set[int], step: int) -> None:
-        fired = [min((f for f in self.pending if f.rank == rank and f.step > step), key=lambda f: f.step,
-                     default=None) for rank in failed_ranks]
-        self.pending = [f for f in self.pending if f.step > step + 1 and f not in fired]

@@ -15,6 +15,7 @@ from ray.exceptions import RayActorError
 
 from actors.placement import ReservedSlots, WorkerSlots
 from actors.worker import TrainWorkerActor, WorkerSpec
+from jobconfig.naming import worker_name
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Membership:
         started = []
         for slot in slots:
             self._spawned += 1
-            name = f"raylastic:{self.run_name}:worker{self._spawned}"
+            name = worker_name(self.run_name, self._spawned)
             actor = TrainWorkerActor.options(
                 name=name, scheduling_strategy=self.slots.scheduling(slot),
                 **self._actor_options).remote(self.spec)

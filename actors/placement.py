@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from jobconfig.naming import slot_name
+
 WAIT_INTERVAL_S = 0.05
 
 
@@ -45,7 +47,7 @@ class WorkerSlots:
         """Ask Ray for ``count`` more slots; they become ready when resources allow."""
         for _ in range(count):
             self._created += 1
-            name = f"raylastic:{self.run_name}:slot{self._created}"
+            name = slot_name(self.run_name, self._created)
             self._pending.append(placement_group([self.shape.bundle()], name=name))
 
     def take_ready(self, at_most: int, *, at_least: int = 0, timeout_s: float = 0.0) -> list[PlacementGroup]:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from cluster.config import OptimConfig
+from jobconfig import OptimConfig
 
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
 

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 from actors.batches import planned_batches, to_device
 from actors.data_order import GlobalSampleOrder, micro_batches, rank_slice
 from actors.recipe import clip_gradients, learning_rate, set_learning_rate
-from cluster.config import DataConfig, OptimConfig
+from jobconfig import DataConfig, OptimConfig
 from strategies.base import Strategy, TrainState
 from workloads.protocol import Workload
 

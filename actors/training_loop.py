@@ -31,7 +31,7 @@ from actors.faults import FaultInjector
 from actors.mailbox import StatusMailbox
 from actors.step_loop import StepRunner
 from actors.stop_vote import StopVote
-from cluster.config import DataConfig, EvalConfig, TrainingConfig
+from jobconfig import DataConfig, EvalConfig, TrainingConfig
 from strategies.base import TrainState
 from strategies.process_group import abort_group
 

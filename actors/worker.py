@@ -39,7 +39,7 @@ from actors.priority import run_at_normal_priority
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
 from actors.training_loop import TrainingLoop, TrainingThreadHung
-from cluster.config import (
+from jobconfig import (
     DataConfig,
     EvalConfig,
     FaultConfig,

@@ -29,7 +29,7 @@ from actors.membership import Member, Membership
 from actors.placement import ReservedBundles, ReservedSlots, SlotShape, WorkerSlots
 from actors.poller import GenerationPoller, death_reason
 from actors.worker import JoinReport, TrainingThreadHung, WorkerSpec
-from cluster.config import FaultConfig, JobConfig
+from jobconfig import FaultConfig, JobConfig
 from strategies.checkpoint import Checkpointer
 from strategies.process_group import GroupAssignment, host_store, new_store_prefix
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from actors.data_order import GlobalSampleOrder
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
-from cluster.config import OptimConfig, StrategyConfig
+from jobconfig import OptimConfig, StrategyConfig
 from strategies import build_strategy
 from strategies.base import GroupContext, Strategy, TrainState
 from workloads import load_workload

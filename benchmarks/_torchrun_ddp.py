@@ -33,8 +33,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset, default_collate
 from actors.data_order import GlobalSampleOrder
 from actors.recipe import learning_rate
 from actors.step_loop import step_seed
-from cluster.config import JobConfig
-from cluster.loading import job_config_from_dict
+from jobconfig import JobConfig, job_config_from_dict
 from workloads import load_workload
 
 

@@ -49,7 +49,7 @@ from actors.controller import RunResult
 from benchmarks.throughput import machine_info
 from cluster.connect import ray_session
 from cluster.job import train
-from cluster.loading import load_job_config
+from jobconfig import load_job_config
 from workloads.chargpt import CharGPT
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -50,8 +50,8 @@ import cluster.job
 from actors.controller import RunFailed
 from actors.group_status import RunStatus
 from benchmarks import _recovery_helpers as helpers
-from cluster.connect import NAMESPACE
-from cluster.loading import load_job_config
+from jobconfig import load_job_config
+from jobconfig.naming import NAMESPACE, controller_name, worker_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -81,7 +81,7 @@ class Follower:
 
     def __call__(self, progress: RunStatus) -> None:
         if self.origin is None:  # RunLog.started: the time_s of history and events count from it
-            controller = ray.get_actor(f"raylastic:{self.name}:controller")
+            controller = ray.get_actor(controller_name(self.name))
             self.origin = ray.get(controller.__ray_call__.remote(lambda c: c.log.started))
         if self.released_at is None and progress.step >= self.release_at_step:
             self.released_at = time.time()
@@ -138,7 +138,7 @@ def run_scale_up(scratch: Path, steps: int, release_at_step: int) -> dict:
     blocker = ray.remote(num_cpus=1)(helpers.Blocker).remote()  # holds the second worker's CPU
     ray.get(blocker.ready.remote())
     follow, joiner, done = Follower(name, blocker, release_at_step), {}, threading.Event()
-    watcher = threading.Thread(target=watch_joiner, args=(f"raylastic:{name}:worker2", joiner, done), daemon=True)
+    watcher = threading.Thread(target=watch_joiner, args=(worker_name(name, 2), joiner, done), daemon=True)
     watcher.start()
     try:
         result = cluster.job.train(load_job_config(None, job_overrides(name, steps, 1, None)),

@@ -49,7 +49,7 @@ from actors.step_loop import StepRunner, seed_rng, step_seed
 from actors.stop_vote import StopVote
 from benchmarks._torchrun_ddp import PlainDDP, step_batches
 from benchmarks.throughput import RESULTS, job_sections, machine_info
-from cluster.loading import job_config_from_dict
+from jobconfig import job_config_from_dict
 from strategies.ddp import DDPStrategy
 from tests.distributed_harness import run_distributed
 from workloads import load_workload

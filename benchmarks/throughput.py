@@ -48,7 +48,7 @@ import torch
 from benchmarks._cpu_meter import CpuMeter, Measurement, descendants
 from cluster.connect import ray_session
 from cluster.job import train
-from cluster.loading import job_config_from_dict
+from jobconfig import job_config_from_dict
 from workloads.tokens import prepare_corpus, stdlib_corpus_files
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
             "warmup_fraction": WARMUP_FRACTION,
             "ours": "cluster.job.train, 2 workers x 1 CPU (1 torch thread), checkpoint only at the end; times "
                     "are the workers' step-commit wall clocks from RunResult.history; one Ray for all rounds "
-                    "(its long polls: actors/watch.py LONG_POLL_S, cluster/job.py PROGRESS_WAIT_S)",
+                    "(its long polls: actors/worker_group.py LONG_POLL_S, cluster/job.py PROGRESS_WAIT_S)",
             "torchrun": "benchmarks/_torchrun_ddp.py, reading the same job config: DDP(gloo, 25 MiB buckets), "
                         "same seed, GlobalSampleOrder, optimizer, lr schedule, clipping, precision, per-step dropout "
                         "seed and loss scaling; TensorDatasets indexed in memory, gpt's TokenBlocks through a torch "

@@ -1,6 +1,14 @@
-"""How a job reaches Ray: configuration, connection, the driver-side run and the CLI."""
+"""How a job reaches Ray: connection, the driver-side run and the CLI (the configuration is ``jobconfig``).
 
-from cluster.config import (
+Example::
+
+    from cluster import JobConfig, TrainingConfig, train
+    result = train(JobConfig(training=TrainingConfig(steps=50)))
+"""
+
+from typing import Any
+
+from jobconfig import (
     CheckpointConfig,
     DataConfig,
     EvalConfig,
@@ -12,17 +20,18 @@ from cluster.config import (
     TrackingConfig,
     TrainingConfig,
     WorkloadConfig,
+    load_job_config,
 )
-from cluster.loading import load_job_config
 
 __all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "FailureConfig", "JobConfig", "OptimConfig", "ScalingConfig",
            "StrategyConfig", "TrackingConfig", "TrainingConfig", "WorkloadConfig", "load_job_config", "train"]
 
 
-def __getattr__(name: str):
-    # Imported lazily: the actors import cluster.config, and cluster.job imports the actors.
+def __getattr__(name: str) -> Any:
+    # train is imported on first use: `raylastic` imports cluster.cli for every command, and torch, Ray
+    # and the actors take seconds to import, which only a running job should pay.
     if name == "train":
         from cluster.job import train
 
         return train
-    raise AttributeError(name)
+    raise AttributeError(f"module 'cluster' has no attribute {name!r}")

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import ray
 
-NAMESPACE = "raylastic"
+from jobconfig.naming import NAMESPACE
 
 
 @contextlib.contextmanager

@@ -35,10 +35,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.controller import ControllerActor, RunFailed, RunResult, default_checkpoint_root
 from actors.group_status import RunStatus
 from actors.placement import ReservedBundles
-from cluster.config import JobConfig
 from cluster.connect import ray_session
 from cluster.tensorboard import TensorBoardLog
 from cluster.tracking import MlflowLog, RunEnd
+from jobconfig import JobConfig
+from jobconfig.naming import controller_name
 from workloads import resolve_workload_class
 
 ProgressCallback = Callable[[RunStatus], None]
@@ -91,7 +92,7 @@ def _run(job: JobConfig, run_dir: Path, checkpoint_root: str, address: str | Non
         with ray_session(address, min_cpus=job.scaling.max_workers * job.scaling.cpus_per_worker):
             controller = _start_controller(job, checkpoint_root, reserved, profile_dir)
             try:
-                result = _follow(controller, _controller_name(job.name), seen, follow)
+                result = _follow(controller, controller_name(job.name), seen, follow)
             finally:
                 ray.kill(controller)
         _write_model(run_dir, result.model_state)  # before result.json says "finished"
@@ -180,7 +181,7 @@ def _require_no_checkpoints(checkpoint_root: str) -> None:
 
 def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None,
                       profile_dir: str | None) -> Any:
-    name = _controller_name(job.name)
+    name = controller_name(job.name)
     try:
         ray.get_actor(name)
     except ValueError:
@@ -193,10 +194,6 @@ def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBu
     beside_driver = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     return ControllerActor.options(name=name, scheduling_strategy=beside_driver).remote(
         job, checkpoint_root, reserved, profile_dir)
-
-
-def _controller_name(job_name: str) -> str:
-    return f"raylastic:{job_name}:controller"
 
 
 def _follow(controller: Any, name: str, seen: _SeenProgress, on_progress: ProgressCallback) -> RunResult:

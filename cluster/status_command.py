@@ -21,9 +21,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from actors.group_status import RunStatus
+from jobconfig.naming import NAMESPACE, controller_name, run_of_controller, run_prefix
 
-NAMESPACE = "raylastic"  # cluster.connect.NAMESPACE, not imported here: register() stays light
-CONTROLLER_PREFIX, CONTROLLER_SUFFIX = "raylastic:", ":controller"
 RECENT_EVENTS = 10
 ANSWER_TIMEOUT_S = 10.0
 
@@ -57,9 +56,9 @@ def run_names() -> list[str]:
     """Names of the runs whose Controller is alive on the connected cluster, sorted."""
     import ray
 
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
-    return sorted(n[len(CONTROLLER_PREFIX):-len(CONTROLLER_SUFFIX)] for n in names
-                  if n.startswith(CONTROLLER_PREFIX) and n.endswith(CONTROLLER_SUFFIX))
+    runs = (run_of_controller(a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE)
+    return sorted(run for run in runs if run is not None)
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ class StatusReport:
 def fetch_status(run: str) -> StatusReport:
     import ray
 
-    controller = ray.get_actor(f"{CONTROLLER_PREFIX}{run}{CONTROLLER_SUFFIX}", namespace=NAMESPACE)
+    controller = ray.get_actor(controller_name(run), namespace=NAMESPACE)
     status = _progress_without_history(controller)
     # History rows are in commit order, one per step from the first step this run committed: the
     # latest is at position step-1, or earlier when the run resumed from a checkpoint.
@@ -102,7 +101,7 @@ def summary_line(run: str) -> str:
     import ray
 
     try:
-        controller = ray.get_actor(f"{CONTROLLER_PREFIX}{run}{CONTROLLER_SUFFIX}", namespace=NAMESPACE)
+        controller = ray.get_actor(controller_name(run), namespace=NAMESPACE)
         status = _progress_without_history(controller)
     except (ValueError, ray.exceptions.RayError):
         return f"{run}: ended"
@@ -119,8 +118,7 @@ def _worker_nodes(run: str) -> dict[str, str]:
                              raise_on_missing_output=False)
     except Exception:  # no dashboard (e.g. a local instance): names without nodes
         return {}
-    prefix = f"{CONTROLLER_PREFIX}{run}:"
-    return {a.name: a.node_id for a in actors if a.name and a.name.startswith(prefix)}
+    return {a.name: a.node_id for a in actors if a.name and a.name.startswith(run_prefix(run))}
 
 
 def _show(run: str | None, out: Console, errors: Console) -> int:
@@ -140,7 +138,7 @@ def _show(run: str | None, out: Console, errors: Console) -> int:
         running = ", ".join(runs) if runs else "none"
         errors.print("[bold red]error:[/] " + escape(
             f"no run named {run!r} is running on this cluster (running: {running}); runs are found by their "
-            f"actor '{CONTROLLER_PREFIX}<run>{CONTROLLER_SUFFIX}' in namespace {NAMESPACE!r}"))
+            f"actor {controller_name('<run>')!r} in namespace {NAMESPACE!r}"))
         return 1
     try:
         status = fetch_status(run)

@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 from urllib.request import pathname2url
 
 from actors.group_status import RunStatus
-from cluster.config import JobConfig, TrackingConfig
+from jobconfig import JobConfig, TrackingConfig
 
 RunEnd = Literal["finished", "failed", "killed"]
 """How a job ended; MLflow's run status is the same word in capitals."""

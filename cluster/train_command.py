@@ -7,34 +7,26 @@ from pathlib import Path
 
 from rich.console import Console
 
+from cluster.job_arguments import add_job_arguments, job_from_arguments
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "train", help="run a training job", description="Run a training job to its last step and write "
         "<run dir>/result.json and model.pt. Config keys are listed in the README (section 'Configuration').")
     add_job_arguments(parser)
-    parser.add_argument("--address", help="Ray cluster to use ('auto' after `ray start --head`); "
-                        "default: start a local instance for this run")
     parser.add_argument("--run-dir", help="where result.json, model.pt and checkpoints go (default: runs/<name>)")
     parser.add_argument("--profile", action="store_true", help="trace 5 steps with the torch profiler on rank 0 "
                         "into <run dir>/profile (open with TensorBoard); same as --set training.profile_steps=5")
     parser.set_defaults(run=run)
 
 
-def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="job.yaml", help="YAML file with the job's sections")
-    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                        help="override one key, e.g. --set training.steps=100 (repeatable)")
-
-
 def load_job_or_report(args: argparse.Namespace, console: Console):
     """The validated JobConfig, or None after printing the error (no traceback)."""
-    from cluster.loading import load_job_config
     from workloads import resolve_workload_class
 
     try:
-        overrides = [*args.overrides, *(["training.profile_steps=5"] if getattr(args, "profile", False) else [])]
-        job = load_job_config(args.config, overrides)
+        job = job_from_arguments(args, *(["training.profile_steps=5"] if args.profile else []))
         resolve_workload_class(job.workload.name)
         return job
     except ValueError as error:

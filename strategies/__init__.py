@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.config import StrategyConfig
+from jobconfig import StrategyConfig
 from strategies.base import Strategy
 from strategies.compression import CompressionOptions
 from strategies.ddp import DDPStrategy

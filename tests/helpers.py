@@ -1,4 +1,4 @@
-"""Small helpers shared by the tests that run real jobs."""
+"""Small helpers shared by the tests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import ray
 import torch
 
-from cluster.loading import load_job_config
+from actors.data_order import GlobalSampleOrder
+from jobconfig import load_job_config
 
 
 def job(*overrides: str, name: str = "t"):
@@ -17,6 +18,12 @@ def job(*overrides: str, name: str = "t"):
     base = [f"name={name}", "training.steps=20", "training.global_batch_size=48", "scaling.cpus_per_worker=0.5",
             "failure.collective_timeout_s=20"]
     return load_job_config(None, base + list(overrides))
+
+
+def step_indices(order: GlobalSampleOrder, step: int) -> torch.Tensor:
+    """Dataset indices of the whole global batch of ``step`` (0-based), in stream order: what a single
+    process training on the whole batch takes."""
+    return order.rank_indices(step, rank=0, world_size=1)
 
 
 def load_model(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -16,8 +16,9 @@ from actors.data_order import GlobalSampleOrder
 from actors.evaluation import Evaluator
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
-from cluster.config import OptimConfig, StrategyConfig
+from jobconfig import OptimConfig, StrategyConfig
 from strategies import build_strategy
+from tests.helpers import step_indices
 
 FEATURES, HIDDEN, CLASSES = 6, 9, 5  # odd sizes: dim-0 shards are uneven at world sizes 2 and 3
 GLOBAL_BATCH = 12
@@ -167,7 +168,7 @@ def reference_train(workload_name: str, optim: OptimConfig, lrs: list[float]) ->
     order = GlobalSampleOrder(len(features), GLOBAL_BATCH, seed=0)
     grad_norms = []
     for step, lr in enumerate(lrs):
-        indices = order.step_indices(step)
+        indices = step_indices(order, step)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         optimizer.zero_grad()

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from actors.data_order import GlobalSampleOrder
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
-from cluster.config import OptimConfig, StrategyConfig
+from jobconfig import OptimConfig, StrategyConfig
 from strategies import build_strategy
 from strategies.base import init_optimizer_state
 from strategies.checkpoint import Checkpointer, load_into

@@ -139,6 +139,16 @@ def test_console_script_imports_a_workload_from_the_working_directory(tmp_path):
     assert result["config"]["workload"]["name"] == "my_workload:MyDigits"
 
 
+def test_train_and_sweep_take_the_same_job_arguments():
+    from cluster.cli import build_parser
+
+    for command, config_flag in (("train", "--config"), ("sweep", "--base")):
+        args = build_parser().parse_args([command, config_flag, "job.yaml", "--set", "training.steps=5", "--set",
+                                          "optim.lr=0.01", "--address", "auto"])
+        assert (args.config, args.overrides, args.address) == ("job.yaml", ["training.steps=5", "optim.lr=0.01"],
+                                                                "auto"), command
+
+
 def test_train_help_lists_every_option(finished):
     stdout = _help(finished, "train")
     for option in ("--set", "--address", "--run-dir", "--config"):

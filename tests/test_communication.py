@@ -25,9 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cluster.config import JobConfig, StrategyConfig, TrainingConfig
 from cluster.job import train
-from cluster.loading import load_job_config
+from jobconfig import JobConfig, StrategyConfig, TrainingConfig, load_job_config
 from tests.conftest import REPO_ROOT
 from tests.helpers import applied_samples, job
 from tests.test_cli import GUARDED_MAIN, RAY_INIT_EXIT_CODE

@@ -201,7 +201,7 @@ def test_powersgd_is_exact_before_start_iter_then_matches_the_reference(runs):
 
 def test_byte_ratios(runs):
     _, results = runs
-    ratios = {kind: traffic.compression_ratio for kind, traffic in results[0]["ratios"].items()}
+    ratios = {kind: traffic.uncompressed_bytes / traffic.bytes_sent for kind, traffic in results[0]["ratios"].items()}
     print("compression ratios (256x256 layer + bias):", {k: round(v, 2) for k, v in ratios.items()})
     assert ratios["none"] == 1
     assert ratios["fp16"] == ratios["bf16"] == 2
@@ -240,19 +240,7 @@ def test_take_bytes_sent_returns_the_count_since_the_last_take():
     assert state.take_bytes_sent() == 10 and state.take_bytes_sent() == 0
     state.record(bucket, 3)
     assert state.take_traffic() == CommTraffic(bytes_sent=3, uncompressed_bytes=40)
-    assert state.traffic == CommTraffic(bytes_sent=13, uncompressed_bytes=120)
-    assert state.traffic.compression_ratio == pytest.approx(120 / 13)
-
-
-@pytest.mark.parametrize("options, name", [
-    (dict(powersgd_rank=0), "powersgd_rank"), (dict(powersgd_rank=2.0), "powersgd_rank"),
-    (dict(powersgd_start_iter=1), "powersgd_start_iter"), (dict(topk_fraction=0.0), "topk_fraction"),
-    (dict(topk_fraction=1.5), "topk_fraction"), (dict(topk_fraction=float("nan")), "topk_fraction"),
-    (dict(onebit_warmup_steps=-1), "onebit_warmup_steps"), (dict(onebit_warmup_steps=True), "onebit_warmup_steps"),
-])
-def test_bad_options_name_the_option(options, name):
-    with pytest.raises(ValueError, match=name):
-        CompressionOptions(**options)
+    assert (state.bytes_sent, state.uncompressed_bytes) == (13, 120)  # cumulative
 
 
 def test_unknown_kind_lists_the_kinds():

@@ -5,10 +5,22 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from cluster.config import OPTIMIZERS, STRATEGIES, JobConfig, OptimConfig, WorkloadConfig
-from cluster.loading import job_config_from_dict, load_job_config
+from jobconfig import (
+    OPTIMIZERS,
+    STRATEGIES,
+    JobConfig,
+    OptimConfig,
+    WorkloadConfig,
+    job_config_from_dict,
+    load_job_config,
+)
+from jobconfig.naming import controller_name, run_of_controller, run_prefix, slot_name, worker_name
 from workloads import BUILTIN_WORKLOADS, resolve_workload_class
 from workloads.digits import Digits
 
@@ -50,6 +62,12 @@ BAD_OVERRIDES = [
     pytest.param(["strategy.comm_timing=maybe"], ["strategy.comm_timing", "true or false"], id="comm-timing-not-bool"),
     pytest.param(["strategy.name=zero1", "strategy.comm_timing=true"], ["strategy.comm_timing", "ddp only"],
                  id="comm-timing-not-ddp"),
+    *[pytest.param([f"strategy.{key}={value}"], [f"strategy.{key}", allowed], id=f"{key}-{value}")
+      for key, value, allowed in (("powersgd_rank", 0, "positive integer"), ("powersgd_rank", 2.0, "positive integer"),
+                                  ("powersgd_start_iter", 1, ">= 2"), ("topk_fraction", 0, "(0, 1]"),
+                                  ("topk_fraction", 1.5, "(0, 1]"), ("topk_fraction", ".nan", "(0, 1]"),
+                                  ("onebit_warmup_steps", -1, "non-negative integer"),
+                                  ("onebit_warmup_steps", "true", "non-negative integer"))],
     pytest.param(["optim.lr=0"], ["optim.lr", "(0, 10]"], id="lr-zero"),
     pytest.param(["optim.lr=-3e-3"], ["optim.lr", "(0, 10]"], id="lr-negative"),
     pytest.param(["optim.lr=nan"], ["optim.lr", "(0, 10]"], id="lr-nan"),
@@ -260,3 +278,23 @@ def test_resolve_workload_class_errors(name, fragments):
 @pytest.mark.parametrize("name", ["digits", "workloads.digits:Digits"])
 def test_resolve_workload_class_finds_builtin_and_path(name):
     assert resolve_workload_class(name) is Digits
+
+
+def test_jobconfig_imports_no_other_layer():
+    """Every layer imports jobconfig and it imports none of them, so no dependency points outward."""
+    layers = {"cluster", "actors", "strategies", "tuning", "workloads"}
+    code = ("import sys, jobconfig, jobconfig.naming; "
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {layers}))")
+    imported = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    assert imported == "[]"
+
+
+def test_actor_names_carry_the_run_name():
+    assert controller_name("digits") == "raylastic:digits:controller"
+    assert worker_name("digits", 3) == "raylastic:digits:worker3"
+    assert slot_name("digits", 1) == "raylastic:digits:slot1"
+    assert all(name.startswith(run_prefix("digits")) for name in (controller_name("digits"), worker_name("digits", 1)))
+    assert not controller_name("digits-2").startswith(run_prefix("digits"))
+    assert run_of_controller(controller_name("my-run_1")) == "my-run_1"
+    assert run_of_controller(worker_name("digits", 1)) is None

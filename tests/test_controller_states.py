@@ -26,7 +26,7 @@ from actors.run_states import (
     WaitingForWorkers,
 )
 from actors.worker_group import MemberRaised, MembersFailed
-from cluster.config import FaultConfig
+from jobconfig import FaultConfig
 from strategies import build_strategy
 from strategies.checkpoint import latest_checkpoint
 from tests.fake_group import FakeGroup, with_member, write_checkpoint

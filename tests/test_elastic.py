@@ -18,6 +18,7 @@ import ray
 
 from actors.controller import RunFailed
 from cluster.job import train
+from jobconfig.naming import controller_name, worker_name
 from strategies.checkpoint import latest_checkpoint
 from strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT
@@ -118,7 +119,7 @@ def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference
             ray.kill(blocker)
             actions["released"] = progress.step
         if progress.world_size == 3 and progress.step >= 25 and "drained" not in actions:
-            controller = ray.get_actor("raylastic:scale:controller")
+            controller = ray.get_actor(controller_name("scale"))
             actions["drained"] = ray.get(controller.drain.remote(rank=1))
 
     result, state = run_disturbed(tmp_path, "scale", "workload.name=tests.user_workload:SlowDigits",
@@ -153,7 +154,7 @@ def test_driver_killed_then_same_command_resumes_from_checkpoint(tmp_path, refer
         time.sleep(0.2)
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
-    wait_until_gone("raylastic:driver:controller")
+    wait_until_gone(controller_name("driver"))
 
     result = train(job(*overrides, name="driver"), run_dir=run_dir)
     resumed = next(e for e in result.events if e["type"] == "resumed")
@@ -192,7 +193,7 @@ def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            ray.get_actor("raylastic:interrupted:worker2")
+            ray.get_actor(worker_name("interrupted", 2))
             break
         except ValueError:
             time.sleep(0.2)
@@ -201,8 +202,8 @@ def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
     _, stderr = driver.communicate(timeout=60)
     assert driver.returncode == 1
     assert "interrupted" in stderr and "Traceback" not in stderr
-    for name in ("controller", "worker1", "worker2"):
-        wait_until_gone(f"raylastic:interrupted:{name}")
+    for name in (controller_name("interrupted"), worker_name("interrupted", 1), worker_name("interrupted", 2)):
+        wait_until_gone(name)
 
 
 def test_below_min_workers_the_run_waits_for_a_replacement(tmp_path, reference):

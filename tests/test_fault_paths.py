@@ -20,6 +20,7 @@ from actors.controller import RunFailed
 from actors.group_status import RunStatus
 from actors.worker import TrainWorkerActor, WorkerSpec
 from cluster.job import train
+from jobconfig.naming import controller_name
 from strategies.checkpoint import Checkpointer, latest_checkpoint
 from strategies.process_group import GroupAssignment, host_store, new_store_prefix
 from tests.fault_workloads import marker_path
@@ -142,7 +143,7 @@ def test_a_stop_asked_while_the_group_forms_is_not_lost(tmp_path):
     def stop_at_once(progress: RunStatus) -> None:
         if not asked.is_set():
             asked.set()
-            ray.get_actor("raylastic:stop:controller").stop.remote()
+            ray.get_actor(controller_name("stop")).stop.remote()
 
     started = time.monotonic()
     with pytest.raises(RunFailed, match="stopped by the user"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from actors.faults import FaultInjector, FaultPlan, InjectedFault
-from cluster.config import FaultConfig
+from jobconfig import FaultConfig
 
 
 def fault(rank: int, step: int, action: str = "kill") -> FaultConfig:

@@ -19,8 +19,8 @@ import ray
 import torch
 
 from actors.controller import RunFailed
-from cluster.connect import NAMESPACE
 from cluster.job import train
+from jobconfig.naming import NAMESPACE
 from strategies.checkpoint import load_into
 from strategies.process_group import choose_backend, choose_device
 from tests.conftest import REPO_ROOT

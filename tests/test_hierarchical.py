@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from strategies.compression.accounting import CommTraffic
 from strategies.hierarchical import make_hierarchical_hook, ranks_by_node, reference_hierarchical_mean
 from tests.distributed_harness import FakeBucket, run_distributed
 
@@ -72,7 +73,7 @@ def _hierarchical_checks() -> dict:
                                     bucket_count=len(BUCKET_NUMELS))
                 outputs[step, index] = hook(state, bucket).wait().clone()
         results[name] = {"outputs": outputs, "flat": state.flat, "is_leader": state.is_leader,
-                         "traffic": state.traffic, "steps": state.steps}
+                         "traffic": CommTraffic(state.bytes_sent, state.uncompressed_bytes), "steps": state.steps}
     results["ddp"] = {"flat": _train(None), "hierarchical": _train(LAYOUTS["two nodes of two"])}
     try:
         make_hierarchical_hook(["a"])

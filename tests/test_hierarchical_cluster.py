@@ -23,6 +23,7 @@ from ray.util import placement_group_table
 
 from actors.group_status import RunStatus
 from cluster.job import train
+from jobconfig.naming import NAMESPACE
 from tests.conftest import REPO_ROOT
 from tests.helpers import assert_states_close, job, load_model
 
@@ -39,7 +40,7 @@ def two_nodes():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="raylastic",
+    ray.init(address=cluster.address, namespace=NAMESPACE,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
     try:
         yield cluster

@@ -12,6 +12,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from cluster.job import train
+from jobconfig.naming import NAMESPACE, controller_name
 from tests.conftest import REPO_ROOT
 from tests.helpers import applied_samples, assert_states_close, job, load_model
 from workloads.digits import Digits
@@ -27,7 +28,7 @@ NUM_TRAIN_SAMPLES = len(Digits().train_dataset())
 def head():
     os.chdir(REPO_ROOT)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    ray.init(address=cluster.address, namespace="raylastic",
+    ray.init(address=cluster.address, namespace=NAMESPACE,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
     try:
         yield cluster
@@ -85,7 +86,7 @@ def test_draining_a_node_moves_its_workers_out_at_a_step_boundary(tmp_path, head
 
     def drain_then_remove_second_node(progress):
         if progress.step >= 10 and progress.world_size == 4 and "drained" not in actions:
-            controller = ray.get_actor("raylastic:drain:controller")
+            controller = ray.get_actor(controller_name("drain"))
             actions["drained"] = ray.get(controller.drain.remote(node_id=second_node.node_id))
         elif "drained" in actions and progress.world_size == 2 and "removed" not in actions:
             head.remove_node(second_node)  # the spot instance goes: none of the run's workers is on it

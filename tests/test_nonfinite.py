@@ -16,8 +16,8 @@ import torch
 from actors.controller import RunFailed
 from actors.data_order import GlobalSampleOrder
 from actors.step_loop import NonFiniteStep, StepRunner
-from cluster.config import OptimConfig
 from cluster.job import train
+from jobconfig import OptimConfig
 from strategies.ddp import DDPStrategy
 from tests.distributed_harness import run_distributed
 from tests.helpers import job, load_model

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from actors.data_order import GlobalSampleOrder
 from actors.step_loop import StepRunner
-from cluster.config import OptimConfig, StrategyConfig
 from cluster.job import train
+from jobconfig import OptimConfig, StrategyConfig
 from strategies import build_strategy
 from strategies.base import init_optimizer_state, load_scaler, scaler_entries
 from strategies.checkpoint import Checkpointer, load_into

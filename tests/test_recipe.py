@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.recipe import learning_rate, optimizer_factory, set_learning_rate
-from cluster.config import OptimConfig
+from jobconfig import OptimConfig
 from tests.distributed_harness import run_distributed
 from tests.recipe_runs import (
     DECAY,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.config import JobConfig
+from jobconfig import JobConfig
 from tuning.report import SweepResult
 from tuning.search_space import DEFAULT_SEARCH_SPACE
 

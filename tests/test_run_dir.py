@@ -17,6 +17,7 @@ import ray
 from actors.controller import RunFailed
 from actors.group_status import RunStatus
 from cluster.job import train
+from jobconfig.naming import controller_name, worker_name
 from strategies.checkpoint import latest_checkpoint, read_manifest
 from tests.helpers import job, wait_until_gone
 
@@ -135,7 +136,7 @@ def test_a_controller_killed_mid_run_ends_it_with_result_json_naming_the_control
     run_dir = tmp_path / "run"
     running = Background(job(*SLOW, "training.steps=400", name="orphaned"), run_dir)
     running.wait_for_step(3)
-    ray.kill(ray.get_actor("raylastic:orphaned:controller"))
+    ray.kill(ray.get_actor(controller_name("orphaned")))
     error = running.result(timeout_s=30)
     assert isinstance(error, RunFailed), error
     assert "the Controller (raylastic:orphaned:controller) died at step" in str(error)
@@ -143,8 +144,8 @@ def test_a_controller_killed_mid_run_ends_it_with_result_json_naming_the_control
     assert saved["status"] == "failed" and "raylastic:orphaned:controller" in saved["error"]
     assert saved["final_step"] >= 3 and [row["step"] for row in saved["history"]][:3] == [1, 2, 3]
     assert any(event["type"] == "generation_formed" for event in saved["events"])
-    for worker in ("worker1", "worker2"):  # they were the Controller's own actors
-        wait_until_gone(f"raylastic:orphaned:{worker}")
+    for number in (1, 2):  # they were the Controller's own actors
+        wait_until_gone(worker_name("orphaned", number))
 
 
 def test_a_model_file_that_cannot_be_written_fails_the_run_and_never_says_finished(tmp_path):

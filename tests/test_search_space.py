@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cluster.config import JobConfig, ScalingConfig
+from jobconfig import JobConfig, ScalingConfig
 from tuning.search_space import DEFAULT_SEARCH_SPACE, Choice, IntRange, LogUniform, SearchSpace, Uniform, tunable_keys
 from tuning.trial import trial_job, trial_resources
 from tuning.tuner import concurrent_trials

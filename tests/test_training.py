@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from cluster.job import train
+from jobconfig.naming import controller_name, worker_name
 from tests.helpers import assert_states_close, job, load_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -68,7 +69,7 @@ def test_result_json_and_plain_model_file(tmp_path):
 
 
 def test_readme_main_job_survives_its_killed_worker_and_reaches_accuracy(tmp_path):
-    from cluster.loading import load_job_config
+    from jobconfig import load_job_config
     from tests.conftest import REPO_ROOT
 
     config = load_job_config(REPO_ROOT / "examples" / "digits_elastic.yaml", ["scaling.cpus_per_worker=0.5"])
@@ -114,9 +115,9 @@ def test_training_workers_run_at_normal_priority(tmp_path):
 
     def look(progress):
         if progress.step >= 3 and not seen:
-            seen["workers"] = [_niceness_of_threads(ray.get(ray.get_actor(f"raylastic:nice:worker{i}").pid.remote()))
+            seen["workers"] = [_niceness_of_threads(ray.get(ray.get_actor(worker_name("nice", i)).pid.remote()))
                                for i in (1, 2)]
-            controller_pid = ray.get(ray.get_actor("raylastic:nice:controller").__ray_call__.remote(
+            controller_pid = ray.get(ray.get_actor(controller_name("nice")).__ray_call__.remote(
                 lambda self: os.getpid()))
             seen["controller"] = _niceness_of_threads(controller_pid)[controller_pid]
 

@@ -20,7 +20,8 @@ import pytest
 import ray
 from ray import tune
 
-from cluster.config import JobConfig
+from jobconfig import JobConfig
+from jobconfig.naming import controller_name, trial_run_name
 from strategies.checkpoint import latest_checkpoint
 from tests.helpers import job
 from tuning import EarlyStopping, SweepResult, sweep
@@ -159,7 +160,7 @@ def test_nothing_is_left_running_after_a_sweep(sweeps):
     _, _, result = sweeps
     for trial_id in result.dataframe["trial_id"]:
         with pytest.raises(ValueError):
-            ray.get_actor(f"raylastic:digits-{trial_id}:controller")
+            ray.get_actor(controller_name(trial_run_name("digits", trial_id)))
     deadline = time.monotonic() + 20
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
         time.sleep(0.2)

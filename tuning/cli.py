@@ -3,9 +3,9 @@ interrupted, 2 bad configuration or search space.
 
 Example::
 
-    raylastic sweep --base examples/digits_sweep.yaml --space examples/sweep_space.yaml \\
+    raylastic sweep --base examples/sweep_base.yaml --space examples/sweep_space.yaml \\
         --num-samples 8 --metric accuracy --mode max --name digits-lr
-    raylastic sweep --base examples/digits_sweep.yaml --space examples/sweep_space.yaml \\
+    raylastic sweep --base examples/sweep_base.yaml --space examples/sweep_space.yaml \\
         --num-samples 8 --metric accuracy --mode max --name digits-lr --resume     # after Ctrl-C
     raylastic train --config runs/sweeps/digits-lr/best_job.yaml
 
@@ -20,15 +20,15 @@ import json
 
 from rich.console import Console
 
+from cluster.job_arguments import add_job_arguments, job_from_arguments
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "sweep", help="sweep hyperparameters with Ray Tune + Optuna",
         description="Run --num-samples trials of the --base job (each a whole elastic job) with values from "
         "--space, proposed by Optuna (TPE) and stopped early by ASHA on the per-step loss.")
-    parser.add_argument("--base", metavar="job.yaml", help="the base job's YAML (default: the built-in defaults)")
-    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                        help="override one key of the base job, e.g. --set training.steps=100 (repeatable)")
+    add_job_arguments(parser, config_flag="--base", job="the base job", local_ray_for="the sweep")
     parser.add_argument("--space", metavar="space.yaml", help="the search space (default: optim.lr, "
                         "training.global_batch_size, strategy.bucket_cap_mb); format: examples/sweep_space.yaml")
     parser.add_argument("--num-samples", type=int, default=8, help="trials to run (default 8)")
@@ -40,20 +40,17 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the interrupted sweep of this --name")
     parser.add_argument("--max-concurrent-trials", type=int, help="at most this many trials at once "
                         "(default: as many as the cluster fits)")
-    parser.add_argument("--address", help="Ray cluster to use ('auto' after `ray start --head`); "
-                        "default: start a local instance for the sweep")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     errors = Console(stderr=True, soft_wrap=True)
     out = Console(soft_wrap=True)
-    from cluster.loading import load_job_config
     from tuning.search_space import SearchSpace
     from tuning.tuner import sweep
 
     try:
-        base = load_job_config(args.base, args.overrides)
+        base = job_from_arguments(args)
         space = SearchSpace.from_yaml(args.space) if args.space else None
         out.print(f"raylastic: sweeping {args.num_samples} trials of {base.workload.name} "
                   f"({args.metric}, {args.mode})", highlight=False)

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import pandas as pd
 from matplotlib.figure import Figure
 
-from cluster.config import JobConfig
+from jobconfig import JobConfig
 from tuning.search_space import Choice, Distribution, IntRange, LogUniform, SearchSpace
 from tuning.trial import FINAL_STEP, JOBS_DIR
 

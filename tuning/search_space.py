@@ -29,8 +29,7 @@ from typing import Any
 
 import yaml
 
-from cluster.config import JobConfig
-from cluster.loading import job_config_from_dict
+from jobconfig import JobConfig, job_config_from_dict
 
 NOT_TUNABLE = {
     "name": "it names the sweep's jobs",

@@ -25,8 +25,9 @@ from ray.tune import PlacementGroupFactory
 
 from actors.group_status import RunStatus
 from actors.placement import ReservedBundles
-from cluster.config import JobConfig
 from cluster.job import train
+from jobconfig import JobConfig
+from jobconfig.naming import trial_run_name
 from tuning.search_space import SearchSpace
 
 JOBS_DIR = "jobs"
@@ -51,7 +52,7 @@ def trial_resources(job: JobConfig) -> PlacementGroupFactory:
 def trial_job(base: JobConfig, space: SearchSpace, config: dict[str, Any], *, sweep_name: str,
               trial_id: str) -> JobConfig:
     """The job a trial runs: ``base`` with the sampled values, named ``<sweep>-<trial id>``."""
-    return dataclasses.replace(space.apply(base, config), name=f"{sweep_name}-{trial_id}")
+    return dataclasses.replace(space.apply(base, config), name=trial_run_name(sweep_name, trial_id))
 
 
 def run_trial(config: dict[str, Any], *, base: JobConfig, space: SearchSpace, sweep_name: str, objective: str,

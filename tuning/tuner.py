@@ -40,8 +40,9 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.optuna import OptunaSearch
 
-from cluster.config import JobConfig
 from cluster.connect import ray_session
+from jobconfig import JobConfig
+from jobconfig.naming import RUN_NAME_CHARACTERS, is_run_name, run_prefix, trial_run_name
 from tuning.report import SweepResult
 from tuning.search_space import DEFAULT_SEARCH_SPACE, Choice, IntRange, LogUniform, SearchSpace
 from tuning.trial import COMPLETED, JOBS_DIR, run_trial, trial_resources
@@ -120,7 +121,7 @@ def sweep(base_job: JobConfig, search_space: SearchSpace | Mapping[str, Any] | N
                                points=points, callbacks=callbacks, verbose=verbose)
             _write_sweep_file(experiment, base_job, space, metric=metric, mode=mode, num_samples=num_samples)
         grid = tuner.fit()
-        _wait_for_jobs_to_end([f"raylastic:{name}-{Path(result.path).name.removeprefix('trial_')}:"
+        _wait_for_jobs_to_end([run_prefix(trial_run_name(name, Path(result.path).name.removeprefix("trial_")))
                                for result in grid])
     return SweepResult.from_result_grid(grid, space=space, base_job=base_job, metric=metric, mode=mode,
                                         path=experiment, num_samples=_saved_num_samples(experiment, num_samples))
@@ -219,9 +220,8 @@ def _values(space: SearchSpace, key: str) -> list[Any]:
 
 
 def _check_arguments(*, name: str, num_samples: int, metric: str, mode: str) -> None:
-    if not (isinstance(name, str) and name.replace("-", "").replace("_", "").isalnum()):
-        raise ValueError(f"name must be letters, digits, '-' and '_' (it prefixes the trials' job names), "
-                         f"got {name!r}")
+    if not is_run_name(name):
+        raise ValueError(f"name must be {RUN_NAME_CHARACTERS} (it prefixes the trials' job names), got {name!r}")
     if not (isinstance(num_samples, int) and num_samples > 0):
         raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
     if not (isinstance(metric, str) and metric):

@@ -27,28 +27,29 @@ Adam/LAMB make when loading a checkpoint: the compression errors are reset, sinc
 per-rank and tied to the world size. ``completed_steps`` lets 1-bit skip its warm-up when the
 run is already past it; PowerSGD always runs ``powersgd_start_iter`` uncompressed iterations
 after a new DDP is built (torch keys its buffers by bucket index, and DDP rebuilds its buckets
-after the first iteration). ``state.reset()`` does the same in place.
+after the first iteration).
 
 Example::
 
     from strategies.compression import CompressionOptions, make_comm_hook
 
-    hook = make_comm_hook("topk", options=CompressionOptions(topk_fraction=0.01))
-    hook.register(ddp_model)             # = ddp_model.register_comm_hook(hook.state, hook.hook)
+    state, hook = make_comm_hook("topk", options=CompressionOptions(topk_fraction=0.01))
+    ddp_model.register_comm_hook(state, hook)
     ...                                  # after each optimizer step:
-    sent = hook.state.take_bytes_sent()
+    sent = state.take_bytes_sent()
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from jobconfig.strategy import COMPRESSIONS as COMPRESSION_KINDS
+from jobconfig.strategy import Compression as CompressionKind
 from strategies.compression.accounting import CommTraffic, HookState
 from strategies.compression.int8 import Int8State, int8_hook
 from strategies.compression.lowp import LowPrecisionState, low_precision_hook
@@ -56,41 +57,18 @@ from strategies.compression.onebit import OneBitState, onebit_hook
 from strategies.compression.powersgd import PowerSGDHookState, powersgd_hook
 from strategies.compression.topk import TopKState, topk_hook
 
-CompressionKind = Literal["none", "fp16", "bf16", "powersgd", "topk", "onebit", "int8"]
-COMPRESSION_KINDS: tuple[str, ...] = get_args(CompressionKind)
-
 CommHookFn = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
 class CompressionOptions:
-    powersgd_rank: int = 4
-    """PowerSGD's matrix approximation rank r (>= 1): each n x m gradient travels as (n + m) r
-    numbers. 1-2 is often enough for convolutions, 4+ for transformers (Vogels et al. 2019)."""
-    powersgd_start_iter: int = 10
-    """Uncompressed all-reduce iterations before PowerSGD starts, counted per DDP (>= 2: torch
-    needs DDP's buckets rebuilt first when error feedback is on)."""
-    topk_fraction: float = 0.05
-    """Fraction of each bucket's entries top-k sends, in (0, 1]; 0.05 sends 5% (10x fewer bytes)."""
-    onebit_warmup_steps: int = 50
-    """Optimizer steps of full-precision all-reduce before 1-bit compression starts (>= 0); 1-bit
-    Adam uses ~15-25% of training, so the variance estimates settle before compressing."""
+    """The compression fields of StrategyConfig (``jobconfig.strategy``), where they are documented and
+    validated; a hook trusts them."""
 
-    def __post_init__(self) -> None:
-        if not (_is_int(self.powersgd_rank) and self.powersgd_rank >= 1):
-            raise ValueError(f"powersgd_rank must be an integer >= 1, got {self.powersgd_rank!r}")
-        if not (_is_int(self.powersgd_start_iter) and self.powersgd_start_iter >= 2):
-            raise ValueError(f"powersgd_start_iter must be an integer >= 2, got {self.powersgd_start_iter!r}")
-        fraction = self.topk_fraction
-        if not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and math.isfinite(fraction)
-                and 0 < fraction <= 1):
-            raise ValueError(f"topk_fraction must be a number in (0, 1], got {fraction!r}")
-        if not (_is_int(self.onebit_warmup_steps) and self.onebit_warmup_steps >= 0):
-            raise ValueError(f"onebit_warmup_steps must be an integer >= 0, got {self.onebit_warmup_steps!r}")
+    powersgd_rank: int = 4
+    powersgd_start_iter: int = 10
+    topk_fraction: float = 0.05
+    onebit_warmup_steps: int = 50
 
 
 class CommHook(NamedTuple):
@@ -98,10 +76,6 @@ class CommHook(NamedTuple):
 
     state: HookState
     hook: CommHookFn
-
-    def register(self, model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """``model.register_comm_hook(state, hook)`` (once per DDP, before its first backward)."""
-        model.register_comm_hook(self.state, self.hook)
 
 
 def make_comm_hook(kind: CompressionKind, *, process_group: dist.ProcessGroup | None = None,
@@ -112,7 +86,7 @@ def make_comm_hook(kind: CompressionKind, *, process_group: dist.ProcessGroup | 
     warm-up counts run steps, so a new generation past the warm-up compresses at once).
     """
     options = CompressionOptions() if options is None else options
-    if not (_is_int(completed_steps) and completed_steps >= 0):
+    if not (isinstance(completed_steps, int) and not isinstance(completed_steps, bool) and completed_steps >= 0):
         raise ValueError(f"completed_steps must be an integer >= 0, got {completed_steps!r}")
     if kind == "none":
         return CommHook(LowPrecisionState(process_group), low_precision_hook)

@@ -17,7 +17,6 @@ two is the compression ratio.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +31,6 @@ class CommTraffic:
     """Bytes this rank contributed to the hook's collectives."""
     uncompressed_bytes: int
     """Bytes an uncompressed all-reduce of the same buckets would have contributed."""
-
-    @property
-    def compression_ratio(self) -> float:
-        """uncompressed / sent (nan when nothing was communicated)."""
-        if self.bytes_sent == 0:
-            return math.nan if self.uncompressed_bytes == 0 else math.inf
-        return self.uncompressed_bytes / self.bytes_sent
 
 
 class HookState:
@@ -81,15 +73,6 @@ class HookState:
     def take_bytes_sent(self) -> int:
         """Bytes sent since the previous take (the ``bytes_sent`` of ``take_traffic()``)."""
         return self.take_traffic().bytes_sent
-
-    @property
-    def traffic(self) -> CommTraffic:
-        """Cumulative traffic since this state was built."""
-        return CommTraffic(self.bytes_sent, self.uncompressed_bytes)
-
-    def reset(self) -> None:
-        """Forget what the algorithm learnt (step count; subclasses: error buffers); counters stay."""
-        self.steps = 0
 
 
 class UncompressedTraffic:

@@ -29,8 +29,6 @@ class OneBitState(HookState):
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, warmup_steps: int = 50,
                  completed_steps: int = 0) -> None:
         super().__init__(process_group)
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
         self.completed_steps = completed_steps
         """Run steps committed before this state was built (the warm-up counts run steps)."""
@@ -39,12 +37,6 @@ class OneBitState(HookState):
     @property
     def compressing(self) -> bool:
         return self.completed_steps + self.steps >= self.warmup_steps
-
-    def reset(self) -> None:
-        """Zero residuals and step counts: the full-precision warm-up runs again."""
-        super().reset()
-        self.completed_steps = 0
-        self.error_feedback.clear()
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:

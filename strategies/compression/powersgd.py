@@ -38,15 +38,10 @@ class PowerSGDHookState(HookState):
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, rank: int = 4, start_iter: int = 10,
                  min_compression_rate: float = 2.0, random_seed: int = 0) -> None:
         super().__init__(process_group)
-        self._settings = dict(process_group=process_group, matrix_approximation_rank=rank,
-                              start_powerSGD_iter=start_iter, min_compression_rate=min_compression_rate,
-                              use_error_feedback=True, warm_start=True, random_seed=random_seed)
-        self.powersgd = torch_powersgd.PowerSGDState(**self._settings)  # imports numpy
-
-    def reset(self) -> None:
-        """A fresh torch state: error and P/Q buffers dropped, vanilla all-reduce again until start_iter."""
-        super().reset()
-        self.powersgd = torch_powersgd.PowerSGDState(**self._settings)
+        self.powersgd = torch_powersgd.PowerSGDState(  # imports numpy
+            process_group=process_group, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter,
+            min_compression_rate=min_compression_rate, use_error_feedback=True, warm_start=True,
+            random_seed=random_seed)
 
 
 def powersgd_payload_bytes(bucket: dist.GradBucket, state: torch_powersgd.PowerSGDState) -> int:

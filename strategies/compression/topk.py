@@ -26,17 +26,11 @@ class TopKState(HookState):
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, fraction: float = 0.01) -> None:
         super().__init__(process_group)
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
         self.fraction = fraction
         self.error_feedback = ErrorFeedback()
 
     def k_for(self, numel: int) -> int:
         return max(1, min(numel, math.ceil(self.fraction * numel)))
-
-    def reset(self) -> None:
-        super().reset()
-        self.error_feedback.clear()
 
 
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

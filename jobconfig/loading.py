@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from cluster.config import JobConfig
+from jobconfig.job import JobConfig
 
 
 def load_job_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:

@@ -1,0 +1,64 @@
+"""JobConfig: the sections of a job nested in one frozen dataclass, and the checks that span sections."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from jobconfig.checks import is_number, require
+from jobconfig.naming import RUN_NAME_CHARACTERS, is_run_name
+from jobconfig.outputs import CheckpointConfig, TrackingConfig
+from jobconfig.scaling import FailureConfig, FaultConfig, ScalingConfig
+from jobconfig.strategy import StrategyConfig
+from jobconfig.training import DataConfig, EvalConfig, OptimConfig, TrainingConfig, WorkloadConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    name: str = "digits"
+    """The run's name: its default run directory is runs/<name>, its actors are named after it."""
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: tuple[FaultConfig, ...] = ()
+    """Faults to inject (tests and demos); empty for real runs."""
+
+    def __post_init__(self) -> None:
+        require(is_run_name(self.name), "name", RUN_NAME_CHARACTERS, self.name)
+        if self.training.precision == "fp16" and not self.scaling.use_gpu:
+            raise ValueError("training.precision=fp16 needs scaling.use_gpu=true: fp16 with dynamic loss scaling "
+                             "is for GPUs; on CPUs use training.precision=bf16")
+        if self.training.precision == "fp16" and self.strategy.name != "ddp":
+            raise ValueError(f"training.precision=fp16 works with strategy.name=ddp only (its loss scaler checks "
+                             f"whole gradients), got {self.strategy.name!r}; use bf16")
+        batch = self.training.global_batch_size
+        if batch < self.scaling.max_workers:
+            raise ValueError(f"training.global_batch_size ({batch}) cannot be split across "
+                             f"scaling.max_workers ({self.scaling.max_workers}): every worker needs at "
+                             "least one sample per step")
+        for index, fault in enumerate(self.faults):  # a fault that can never fire would be ignored silently
+            require(fault.rank < self.scaling.max_workers, f"faults[{index}].rank",
+                    f"below scaling.max_workers ({self.scaling.max_workers})", fault.rank)
+            require(fault.step <= self.training.steps, f"faults[{index}].step",
+                    f"at most training.steps ({self.training.steps})", fault.step)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def math_hash(self) -> str:
+        """A hash of what decides the trained parameters; a checkpoint resumes only a run with the same."""
+        optim = {k: float(v) if is_number(v) else v for k, v in asdict(self.optim).items()}  # 1 == 1.0
+        relevant = {"workload": asdict(self.workload), "optim": optim,
+                    "global_batch_size": self.training.global_batch_size, "seed": self.training.seed}
+        if self.optim.schedule != "constant":  # a decaying schedule's length is part of its math
+            relevant["steps"] = self.training.steps
+        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

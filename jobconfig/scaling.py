@@ -1,0 +1,97 @@
+"""Where the workers run and what they survive: scaling, failure handling and injected faults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, get_args
+
+from jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require, require_seconds
+
+FaultAction = Literal["kill", "ray_kill", "stall", "raise", "remove_node"]
+FAULT_ACTIONS: tuple[str, ...] = get_args(FaultAction)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingConfig:
+    min_workers: int = 2
+    """The run starts once this many workers are placed."""
+    max_workers: int = 2
+    """The run never uses more workers than this."""
+    use_gpu: bool = False
+    """One GPU per worker, NCCL between them; otherwise CPU workers on gloo."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved per worker (fractions allowed); torch uses max(1, floor) threads."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Further Ray resources each worker reserves, e.g. {"worker_slot": 1} or {"accelerator_type:A100": 0.01}.
+    Not CPU or GPU: those are cpus_per_worker and use_gpu (Ray takes them apart from custom resources)."""
+    placement_timeout_s: float = 120.0
+    """How long to wait for min_workers to be placed, at the start and after failures, before failing; in
+    [10 s, a day]. Waiting after a failure includes starting the replacement (a process importing torch
+    and building the model: seconds), so a shorter wait would fail recoveries that had the resources."""
+
+    def __post_init__(self) -> None:
+        require(is_positive_int(self.min_workers), "scaling.min_workers", "a positive integer", self.min_workers)
+        require(is_positive_int(self.max_workers), "scaling.max_workers", "a positive integer", self.max_workers)
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"scaling.min_workers ({self.min_workers}) must be <= scaling.max_workers "
+                             f"({self.max_workers})")
+        require(isinstance(self.use_gpu, bool), "scaling.use_gpu", "true or false", self.use_gpu)
+        require(is_number(self.cpus_per_worker) and self.cpus_per_worker > 0, "scaling.cpus_per_worker",
+                "a positive number", self.cpus_per_worker)
+        require(isinstance(self.resources_per_worker, dict) and all(
+            isinstance(k, str) and is_number(v) and v > 0 for k, v in self.resources_per_worker.items()),
+            "scaling.resources_per_worker", "a mapping of resource name to a positive amount",
+            self.resources_per_worker)
+        for name, instead in (("CPU", "scaling.cpus_per_worker"), ("GPU", "scaling.use_gpu")):
+            if name in self.resources_per_worker:
+                raise ValueError(f"scaling.resources_per_worker cannot reserve {name}: use {instead} instead, got "
+                                 f"{self.resources_per_worker!r}")
+        require_seconds(self.placement_timeout_s, "scaling.placement_timeout_s", low=10)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureConfig:
+    max_failures: int = 3
+    """Failures the run survives; one more ends it with an error (0: fail on the first). Workers lost
+    together (a node with several, heard within one generation) count as one failure."""
+    collective_timeout_s: float = 30.0
+    """Timeout of collective operations, so a silent peer cannot block a group for long; in [1 s, a day].
+    Forming a group and its first collectives take a few tenths of a second on an idle machine: below a
+    second a busy one would time out healthy groups."""
+    step_timeout_s: float = 10.0
+    """A worker that does not answer the Controller for this long is taken as hung and replaced; in [1 s, a
+    day]. Polls go out every min(1 s, step_timeout_s / 4): below a second, Ray's latency on a busy machine
+    would make healthy workers look hung."""
+    max_step_s: float = 600.0
+    """A worker whose step runs this long is taken as hung and replaced (a rank that lags its peers is
+    caught sooner, when their collectives time out); raise it for steps that legitimately take longer. In
+    [1 s, a day], as the other timeouts."""
+
+    def __post_init__(self) -> None:
+        require(is_non_negative_int(self.max_failures), "failure.max_failures", "a non-negative integer",
+                self.max_failures)
+        require_seconds(self.collective_timeout_s, "failure.collective_timeout_s", low=1)
+        require_seconds(self.step_timeout_s, "failure.step_timeout_s", low=1)
+        require_seconds(self.max_step_s, "failure.max_step_s", low=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """A fault to inject, for tests and demos: ``{action: kill, rank: 1, step: 30}``; every field is required."""
+
+    ALLOWED: ClassVar[dict[str, str]] = {"action": one_of(FAULT_ACTIONS), "rank": "a non-negative integer",
+                                         "step": "a positive integer"}
+    """What each field takes, for the error that names a wrong or missing one."""
+    action: FaultAction
+    """kill: the worker SIGKILLs itself; ray_kill: the Controller ray.kill()s it; stall: it SIGSTOPs
+    itself (a hung worker); raise: its step raises; remove_node: its node's raylet is killed (the
+    whole node leaves; refused on the head node)."""
+    rank: int
+    """The rank, in the generation running at that step, that the fault hits."""
+    step: int
+    """The fault hits while this step (1-based) is in flight; it fires once per run."""
+
+    def __post_init__(self) -> None:
+        require(self.action in FAULT_ACTIONS, "faults[].action", self.ALLOWED["action"], self.action)
+        require(is_non_negative_int(self.rank), "faults[].rank", self.ALLOWED["rank"], self.rank)
+        require(is_positive_int(self.step), "faults[].step", self.ALLOWED["step"], self.step)

@@ -1,0 +1,75 @@
+"""How gradients and state move between workers: the strategy and its communication options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require
+
+StrategyName = Literal["ddp", "zero1", "zero2", "zero3"]
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)
+Compression = Literal["none", "fp16", "bf16", "powersgd", "topk", "onebit", "int8"]
+COMPRESSIONS: tuple[str, ...] = get_args(Compression)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig:
+    name: StrategyName = "ddp"
+    """ddp: replicated state; zero1: optimizer state sharded; zero2: + gradients (FSDP2, parameters
+    kept gathered from forward to backward); zero3: + parameters (FSDP2, resharded after forward)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB, for ddp and zero1 (DDP's first bucket is 1 MiB whatever this says)."""
+    offload: bool = False
+    """zero2/zero3: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
+    CPUOffloadPolicy); meaningful on GPUs only."""
+    compression: Compression = "none"
+    """ddp gradient compression (a DDP comm hook): 16-bit, PowerSGD, top-k or 1-bit with error
+    feedback, or 8-bit with a per-bucket scale."""
+    powersgd_rank: int = 4
+    """PowerSGD's matrix approximation rank r: each n x m gradient travels as (n + m) r numbers.
+    1-2 is often enough for convolutions, 4+ for transformers (Vogels et al. 2019)."""
+    powersgd_start_iter: int = 10
+    """Uncompressed iterations before PowerSGD starts, per generation (>= 2: torch needs DDP's buckets
+    rebuilt first when error feedback is on)."""
+    topk_fraction: float = 0.05
+    """Fraction of each bucket's entries top-k sends, in (0, 1]. The default, 5% (10x fewer bytes), keeps
+    digits within a point of uncompressed accuracy; 1% (50x) falls behind (tests/test_communication.py)."""
+    onebit_warmup_steps: int = 50
+    """Full-precision steps before 1-bit compression starts, so the optimizer's variance estimates settle
+    first (1-bit Adam's warm-up); the default keeps digits within a point of uncompressed accuracy
+    (tests/test_communication.py)."""
+    hierarchical: bool = False
+    """ddp: reduce inside each node, all-reduce among one leader per node, broadcast back (node
+    membership from Ray's node ids, re-derived at every generation). Not combinable with compression."""
+    comm_timing: bool = False
+    """ddp: time every gradient bucket's communication (the history's comm_s and exposed_comm_s) with a
+    Python hook on each bucket. Off, uncompressed DDP runs its own C++ all-reduce with no Python on the
+    gradients' path: the hook passes the GIL between the training thread and the backend's threads for
+    every bucket, which slows short steps on few cores (docs/benchmarks.md)."""
+
+    def __post_init__(self) -> None:
+        require(self.name in STRATEGIES, "strategy.name", one_of(STRATEGIES), self.name)
+        require(is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "strategy.bucket_cap_mb",
+                "a positive number of MiB", self.bucket_cap_mb)
+        require(isinstance(self.offload, bool), "strategy.offload", "true or false", self.offload)
+        require(self.compression in COMPRESSIONS, "strategy.compression", one_of(COMPRESSIONS), self.compression)
+        require(isinstance(self.hierarchical, bool), "strategy.hierarchical", "true or false", self.hierarchical)
+        require(isinstance(self.comm_timing, bool), "strategy.comm_timing", "true or false", self.comm_timing)
+        for name, value in (("compression", self.compression != "none"), ("hierarchical", self.hierarchical),
+                            ("comm_timing", self.comm_timing)):
+            if value and self.name != "ddp":
+                raise ValueError(f"strategy.{name} works with strategy.name=ddp only, got {self.name!r}")
+        if self.hierarchical and self.compression != "none":
+            raise ValueError("strategy.hierarchical and strategy.compression cannot be combined (DDP takes one "
+                             f"communication hook), got compression={self.compression!r}")
+        require(is_positive_int(self.powersgd_rank), "strategy.powersgd_rank", "a positive integer",
+                self.powersgd_rank)
+        require(is_non_negative_int(self.powersgd_start_iter) and self.powersgd_start_iter >= 2,
+                "strategy.powersgd_start_iter", "an integer >= 2", self.powersgd_start_iter)
+        require(is_number(self.topk_fraction) and 0 < self.topk_fraction <= 1, "strategy.topk_fraction",
+                "a number in (0, 1]", self.topk_fraction)
+        require(is_non_negative_int(self.onebit_warmup_steps), "strategy.onebit_warmup_steps",
+                "a non-negative integer", self.onebit_warmup_steps)
+        if self.offload and self.name not in ("zero2", "zero3"):
+            raise ValueError(f"strategy.offload needs strategy.name zero2 or zero3, got {self.name!r}")
