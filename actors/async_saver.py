@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from actors.mailbox import StatusMailbox
+from actors.run_status import Event
 from strategies.base import Strategy, TrainState, scaler_entries
 from strategies.checkpoint import Checkpointer, CheckpointWriteError
 
@@ -98,11 +99,13 @@ class AsyncSaver:
             if not reporter:
                 return
             error = done.exception()
-            self.status.post_event(
-                {"type": "checkpointed", "step": step, "path": done.result(),
-                 "duration_s": round(time.perf_counter() - started, 4)} if error is None else
-                {"type": "checkpoint_failed", "step": step, "path": self.checkpointer.directory(step),
-                 "error": str(error)})
+            if error is None:
+                event = Event("checkpointed", step, details={"path": done.result(),
+                                                             "duration_s": round(time.perf_counter() - started, 4)})
+            else:
+                event = Event("checkpoint_failed", step,
+                              details={"path": self.checkpointer.directory(step), "error": str(error)})
+            self.status.post_event(event)
 
         future.add_done_callback(report)
         self._pending = future

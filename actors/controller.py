@@ -24,7 +24,7 @@ import ray
 
 from actors.events import RunLog
 from actors.faults import FaultPlan
-from actors.group_status import GroupStatus, LostWorker, RunStatus
+from actors.group_status import GroupStatus, LostWorker
 from actors.placement import ReservedBundles
 from actors.policies import (
     AllStopped,
@@ -61,6 +61,7 @@ from actors.run_states import (
     Stopped,
     WaitingForWorkers,
 )
+from actors.run_status import Event, RunStatus
 from actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
 from jobconfig import JobConfig
 from strategies import build_strategy
@@ -75,7 +76,7 @@ class RunResult:
     final_step: int
     metrics: dict[str, float]
     history: list[dict[str, Any]]
-    events: list[dict[str, Any]]
+    events: list[Event]
     model_state: dict[str, Any]
     checkpoint: str | None
     memory: list[dict[str, int]] | None = None
@@ -98,17 +99,19 @@ class Controller:
         self.log = RunLog()
         self.metrics = RunMetrics(job.name)
         self.checkpoints = RunCheckpoints(root=checkpoint_root, config_hash=job.math_hash(), log=self.log)
-        self.checkpointer = Checkpointer(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
-                                         num_to_keep=job.checkpoint.num_to_keep, config_hash=job.math_hash(),
-                                         global_batch_size=job.training.global_batch_size,
-                                         async_save=job.checkpoint.async_save)
         self.replicated = build_strategy(job.strategy).replicated
         self.scaling_policy = ScalingPolicy(min_workers=job.scaling.min_workers, max_workers=job.scaling.max_workers)
         self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
         self.judge = GenerationJudge(step_timeout_s=job.failure.step_timeout_s, max_step_s=job.failure.max_step_s,
                                      collective_timeout_s=job.failure.collective_timeout_s)
         self.faults = FaultPlan(job.faults)
-        self.group = group or WorkerGroup.for_job(job, self.checkpointer, reserved=reserved, profile_dir=profile_dir)
+        if group is None:
+            checkpointer = Checkpointer(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
+                                        num_to_keep=job.checkpoint.num_to_keep, config_hash=job.math_hash(),
+                                        global_batch_size=job.training.global_batch_size,
+                                        async_save=job.checkpoint.async_save)
+            group = WorkerGroup.for_job(job, checkpointer, reserved=reserved, profile_dir=profile_dir)
+        self.group = group
         self.state: RunState = Placing()
         self.step = 0
         """The newest step the run committed."""
@@ -143,8 +146,7 @@ class Controller:
             else:
                 following = self._actions[type(state)](state)
         except MembersFailed as failure:
-            following = Recovering(failure.lost, recovering_since=getattr(state, "recovering_since", None)
-                                   or time.time(), restore=getattr(state, "restore", None))
+            following = self._recovering_from(state, failure.lost)
         except MemberRaised as error:
             following = Failed(self._with_checkpoint_note(str(error)))
         except ForeignCheckpoint as error:
@@ -154,6 +156,14 @@ class Controller:
                                f"{type(error).__name__}: {error}{self._checkpoint_note()}\n{traceback.format_exc()}")
         self.state = following
         return following
+
+    @staticmethod
+    def _recovering_from(state: RunState, lost: tuple[LostWorker, ...]) -> Recovering:
+        """Members were lost while forming, training, resizing or finishing: the recovery keeps when the first
+        failure happened and the checkpoint a forming generation was to load."""
+        since = state.recovering_since if isinstance(state, Forming | Running) else None
+        restore = state.restore if isinstance(state, Forming) else None
+        return Recovering(lost, recovering_since=since or time.time(), restore=restore)
 
     def progress(self, history_since: int = 0, events_since: int = 0, evaluations_since: int = 0,
                  wait_s: float = 0.0) -> RunStatus:
@@ -314,7 +324,7 @@ class Controller:
             model_state = self.group.call_all("full_state_dict", [(rank == 0,) for rank in range(self.group.size)])[0]
         memory = self.group.call_all("memory")
         path = self.group.call_all("save_checkpoint")[0]
-        if not any(e["type"] == "checkpointed" and e["step"] == self.step for e in self.log.events()):
+        if not any(e.type == "checkpointed" and e.step == self.step for e in self.log.events()):
             self.log.event("checkpointed", self.step, path=path, reason="end of run")  # else the loop's save, reported
         history = self.log.history()
         metrics = {**({"loss": history[-1]["loss"]} if history else {}), **metrics}  # none when resumed at the end
@@ -349,7 +359,7 @@ class Controller:
                                             samples_per_s=completed["samples_per_s"],
                                             world_size=completed["world_size"])
             for event in news.status.events:
-                self.log.event(event.pop("type"), event.pop("step"), **event)
+                self.log.add_event(event)
             for evaluation in news.status.evaluations:
                 self.log.add_evaluation(evaluation.pop("step"), evaluation.pop("time"), evaluation)
         return recovering_since

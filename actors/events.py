@@ -1,7 +1,7 @@
 """The run's event log and step history, shared by the Controller's threads.
 
-Events are plain dicts ``{"type", "step", "time_s", ...}`` (time since the run started), so they
-go into result.json as they are and the CLI shows them live. A step's history row is built from
+Events are typed (``actors.run_status.Event``), stamped with the time since the run started as they
+come in; result.json keeps them as ``Event.to_dict()``. A step's history row is built from
 every rank's report of it: each rank trained part of the global batch, so the step's loss is the sum
 of their summed losses over the sum of their samples.
 
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+from actors.run_status import Event, EventType
 
 if TYPE_CHECKING:
     from actors.step_loop import StepResult
@@ -57,19 +59,24 @@ class RunLog:
         self.started = time.time()
         self._lock = threading.Condition(threading.Lock())
         self._closed = False
-        self._events: list[dict[str, Any]] = []
+        self._events: list[Event] = []
         self._steps: dict[int, _StepReports] = {}
         self._history_order: list[int] = []
         self._applications: dict[int, list[_Application]] = {}
         """By step, every commit of it in the order they came in (the ledger)."""
         self._evaluations: list[dict[str, Any]] = []
 
-    def event(self, type_: str, step: int, **fields: Any) -> dict[str, Any]:
-        record = {"type": type_, "step": step, "time_s": round(time.time() - self.started, 4), **fields}
+    def event(self, type_: EventType, step: int, **details: Any) -> Event:
+        """Log an event of ``type_`` at ``step``, stamped now."""
+        return self.add_event(Event(type_, step, details=details))
+
+    def add_event(self, event: Event) -> Event:
+        """Log ``event`` (e.g. one a worker reported), stamped now."""
+        stamped = replace(event, time_s=round(time.time() - self.started, 4))
         with self._lock:
-            self._events.append(record)
+            self._events.append(stamped)
             self._lock.notify_all()
-        return record
+        return stamped
 
     def wait_for_news(self, events_since: int, timeout_s: float) -> None:
         """Block until an event past position ``events_since`` is logged, the log is closed, or
@@ -169,7 +176,7 @@ class RunLog:
         each step exactly once has exactly one kept application per step.
         """
         with self._lock:
-            formed = [(e["generation"], e["step"]) for e in self._events if e["type"] == "generation_formed"]
+            formed = [(e.details["generation"], e.step) for e in self._events if e.type == "generation_formed"]
 
             def kept(step: int, application: _Application) -> bool:
                 return all(at >= step for generation, at in formed if generation > application.generation)
@@ -177,7 +184,7 @@ class RunLog:
             return {step: [{"generation": a.generation, "samples": a.samples, "kept": kept(step, a)} for a in applied]
                     for step, applied in sorted(self._applications.items())}
 
-    def events(self, since: int = 0) -> list[dict[str, Any]]:
+    def events(self, since: int = 0) -> list[Event]:
         with self._lock:
             return list(self._events[since:])
 
@@ -195,4 +202,4 @@ class RunLog:
 
     def count(self, type_: str) -> int:
         with self._lock:
-            return sum(1 for e in self._events if e["type"] == type_)
+            return sum(1 for e in self._events if e.type == type_)

@@ -6,7 +6,7 @@ here calls Ray, so a test builds these by hand.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 DONE_PHASES = frozenset({"finished", "stopped", "failed"})
@@ -79,20 +79,3 @@ class GroupStatus:
     @property
     def membership_change_ready(self) -> bool:
         return self.draining or self.num_joiners_ready > 0
-
-
-@dataclass(frozen=True)
-class RunStatus:
-    """``Controller.progress()``: the run's state and what happened since the reader's last positions."""
-
-    state: str
-    """The Controller's state: placing, forming, running, resizing, recovering, waiting_for_workers,
-    finishing, finished, failed or stopped."""
-    generation: int
-    world_size: int
-    step: int
-    members: list[str]
-    failures: int
-    history: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    evaluations: list[dict[str, Any]] = field(default_factory=list)

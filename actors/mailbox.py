@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from actors.run_status import Event
 from actors.step_loop import StepResult
 
 Phase = Literal["idle", "training", "stopped", "finished", "failed", "awaiting_kill"]
@@ -32,7 +33,7 @@ class WorkerStatus:
     phase: Phase
     step: int
     results: list[StepResult] = field(default_factory=list)
-    events: list[dict] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     error: str | None = None
     """The error and its full traceback (phase "failed")."""
     error_cause: ErrorCause | None = None
@@ -54,7 +55,7 @@ class StatusMailbox:
         self._error: str | None = None
         self._error_cause: ErrorCause | None = None
         self._results: list[StepResult] = []
-        self._events: list[dict] = []
+        self._events: list[Event] = []
         self._evaluations: list[dict] = []
         self._step_started: float | None = None
         self.step = 0
@@ -92,7 +93,7 @@ class StatusMailbox:
         finally:
             self._step_started = None
 
-    def commit(self, result: StepResult, event: dict | None = None) -> None:
+    def commit(self, result: StepResult, event: Event | None = None) -> None:
         """Step ``result.step`` is committed: its result goes with the next poll, and ``event`` (if any) with it."""
         with self._lock:
             self.step = result.step
@@ -101,8 +102,8 @@ class StatusMailbox:
                 self._events.append(event)
                 self._announce()
 
-    def post_event(self, event: dict) -> None:
-        """``{"type", "step", ...}``: the Controller logs it as a run event."""
+    def post_event(self, event: Event) -> None:
+        """The Controller logs it as a run event."""
         with self._lock:
             self._events.append(event)
             self._announce()

@@ -29,6 +29,7 @@ from actors.evaluation import Evaluator
 from actors.failures import is_peer_loss
 from actors.faults import FaultInjector
 from actors.mailbox import StatusMailbox
+from actors.run_status import Event
 from actors.step_loop import StepRunner
 from actors.stop_vote import StopVote
 from jobconfig import DataConfig, EvalConfig, TrainingConfig
@@ -117,8 +118,8 @@ class TrainingLoop:
             with status.step_in_flight():
                 result = self.runner.run(state, step_index, batches)
             # torch.compile compiles lazily, in the generation's first step
-            status.commit(result, {"type": "compiled", "step": result.step,
-                                   "first_step_s": round(result.duration_s, 3)} if compiling else None)
+            status.commit(result, Event("compiled", result.step, details={"first_step_s": round(result.duration_s, 3)})
+                          if compiling else None)
             compiling = False
             # Only now: the optimizer has stepped, so a vote that fails (a peer lost since its gradients
             # arrived) must find the step counted, or the next generation would train this step again.

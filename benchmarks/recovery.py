@@ -48,7 +48,7 @@ import torch
 
 import cluster.job
 from actors.controller import RunFailed
-from actors.group_status import RunStatus
+from actors.run_status import Event, RunStatus
 from benchmarks import _recovery_helpers as helpers
 from jobconfig import load_job_config
 from jobconfig.naming import NAMESPACE, controller_name, worker_name
@@ -105,18 +105,18 @@ def run_ours(name: str, scratch: Path, steps: int, kill_step: int, min_workers: 
     try:
         result = cluster.job.train(job, run_dir=scratch / name)
     except RunFailed as error:
-        events = json.loads((scratch / name / "result.json").read_text())["events"]
+        events = [Event.from_dict(e) for e in json.loads((scratch / name / "result.json").read_text())["events"]]
         return {"status": "failed", "error": str(error)[:300], "events": membership_events(events)}
     commits = sorted(((r["step"], r["time_s"]) for r in result.history), key=lambda c: c[1])
     summary = summarize_failure(commits, kill_step)
     kill_at = next(t for s, t in commits if s == kill_step - 1)
-    failed = next(e for e in result.events if e["type"] == "worker_failed")
-    formed = next(e for e in result.events if e["type"] == "generation_formed" and e["generation"] == 1)
-    formed_from = formed["time_s"] - formed["duration_s"]
-    breakdown = {"detected_s": failed["time_s"] - kill_at, "recover_s": formed_from - failed["time_s"],
-                 "generation_formed_s": formed["duration_s"],
-                 "first_step_s": kill_at + summary["recovery_s"] - formed["time_s"]}
-    return {"status": "finished", **summary, "steps_lost_event": formed["steps_lost"],
+    failed = next(e for e in result.events if e.type == "worker_failed")
+    formed = next(e for e in result.events if e.type == "generation_formed" and e.details["generation"] == 1)
+    formed_from = formed.time_s - formed.details["duration_s"]
+    breakdown = {"detected_s": failed.time_s - kill_at, "recover_s": formed_from - failed.time_s,
+                 "generation_formed_s": formed.details["duration_s"],
+                 "first_step_s": kill_at + summary["recovery_s"] - formed.time_s}
+    return {"status": "finished", **summary, "steps_lost_event": formed.details["steps_lost"],
             "breakdown": {k: round(v, 4) for k, v in breakdown.items()}, "events": membership_events(result.events)}
 
 
@@ -147,10 +147,10 @@ def run_scale_up(scratch: Path, steps: int, release_at_step: int) -> dict:
         done.set()
     released = follow.released_at
     first_two = next(r for r in result.history if r["world_size"] == 2)
-    joined = next(e for e in result.events if e["type"] == "worker_joined")
-    formed = [e for e in result.events if e["type"] == "generation_formed"][-1]
+    joined = next(e for e in result.events if e.type == "worker_joined")
+    formed = [e for e in result.events if e.type == "generation_formed"][-1]
     at = {"spawned": joiner["spawned"] - released, "constructed": joiner["constructed"] - released,
-          "joined": joined["time_s"] + follow.origin - released, "formed": formed["time_s"] + follow.origin - released,
+          "joined": joined.time_s + follow.origin - released, "formed": formed.time_s + follow.origin - released,
           "first_step": first_two["time_s"] + follow.origin - released}
     breakdown = {"slot_and_scaling_tick_s": at["spawned"], "actor_construction_s": at["constructed"] - at["spawned"],
                  "tick_and_step_boundary_s": at["joined"] - at["constructed"],
@@ -162,8 +162,8 @@ def run_scale_up(scratch: Path, steps: int, release_at_step: int) -> dict:
             "events": membership_events(result.events)}
 
 
-def membership_events(events: list[dict]) -> list[dict]:
-    return [e for e in events if e["type"] != "checkpointed"]
+def membership_events(events: list[Event]) -> list[dict]:
+    return [e.to_dict() for e in events if e.type != "checkpointed"]
 
 
 def watch_joiner(name: str, marks: dict[str, float], done: threading.Event) -> None:

@@ -101,7 +101,7 @@ def make_step(variant: str, sections: dict) -> Callable[[int], None]:
         return _with_step_loop_globals(lambda k: runner.run(state, k, batches), ABLATIONS[variant])
     vote = StopVote(first_step=0, device=device)
 
-    def voting_step(k: int) -> None:  # TrainWorker._steps without its bookkeeping
+    def voting_step(k: int) -> None:  # TrainingLoop._steps without its bookkeeping
         voting = vote.due(k)
         if voting:
             vote.open(k, stop=False)

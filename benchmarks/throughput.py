@@ -120,7 +120,7 @@ def run_ours(sections: dict, run_dir: Path) -> Measurement:
     origins: list[float] = []  # when the run log started: an event's arrival less its time_s (~ms late)
 
     def follow(progress: dict) -> None:
-        origins.extend(time.time() - event["time_s"] for event in progress.events)
+        origins.extend(time.time() - event.time_s for event in progress.events)
 
     started, cpu = time.perf_counter(), CpuMeter(rank_marker="ray::TrainWorker")
     result = train(job, run_dir=run_dir, on_progress=follow)

@@ -33,8 +33,8 @@ from fsspec.implementations.local import LocalFileSystem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.controller import ControllerActor, RunFailed, RunResult, default_checkpoint_root
-from actors.group_status import RunStatus
 from actors.placement import ReservedBundles
+from actors.run_status import Event, RunStatus
 from cluster.connect import ray_session
 from cluster.tensorboard import TensorBoardLog
 from cluster.tracking import MlflowLog, RunEnd
@@ -118,7 +118,7 @@ class _SeenProgress:
 
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     evaluations: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, progress: RunStatus) -> None:
@@ -264,14 +264,15 @@ def _write_result(run_dir: Path, job: JobConfig, *, status: RunEnd, result: RunR
     payload: dict[str, Any] = {"status": status, "name": job.name, "config": job.to_dict()}
     if result is not None:
         payload.update(final_step=result.final_step, metrics=result.metrics, checkpoint=result.checkpoint,
-                       history=result.history, eval_history=result.eval_history, events=result.events)
+                       history=result.history, eval_history=result.eval_history,
+                       events=[event.to_dict() for event in result.events])
         if result.memory is not None:
             payload["memory"] = [{"rank": rank, **m} for rank, m in enumerate(result.memory)]
         if result.ledger is not None:
             payload["ledger"] = result.ledger
     else:
         payload.update(error=error, final_step=progress.step, history=progress.history,
-                       eval_history=progress.evaluations, events=progress.events)
+                       eval_history=progress.evaluations, events=[event.to_dict() for event in progress.events])
     temporary = run_dir / f"result.json.{os.getpid()}.{time.time_ns()}"
     try:
         temporary.write_text(json.dumps(_finite(payload), indent=1, default=str, allow_nan=False))

@@ -8,16 +8,16 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from actors.group_status import RunStatus
+from actors.run_status import Event, RunStatus
 
 EVENT_STYLES = {"worker_failed": "bold red", "recovered": "bold green", "generation_formed": "cyan",
                 "checkpointed": "dim", "checkpoint_failed": "bold yellow", "resumed": "yellow", "finished": "bold"}
-LONG_FIELDS = ("type", "step", "time_s", "traceback")
+LONG_FIELDS = ("traceback",)
 """Not shown in an event's line (a worker's traceback is printed once, with the run's error)."""
 
 
 class ProgressDisplay:
-    """Feed it the Controller's ``progress()`` dicts; it shows step, loss, samples/s, world size, events."""
+    """Feed it the Controller's ``progress()``; it shows step, loss, samples/s, world size, state and events."""
 
     def __init__(self, total_steps: int, *, console: Console | None = None, lines: int = 20) -> None:
         self.console = console or Console(file=sys.stdout, soft_wrap=True)
@@ -42,7 +42,7 @@ class ProgressDisplay:
 
     def update(self, progress: RunStatus) -> None:
         for event in progress.events:
-            self.console.print(format_event(event), style=EVENT_STYLES.get(event["type"]), highlight=False)
+            self.console.print(format_event(event), style=EVENT_STYLES.get(event.type), highlight=False)
         for evaluation in progress.evaluations:
             self.console.print(format_evaluation(evaluation), style="magenta", highlight=False)
         if not progress.history:
@@ -57,9 +57,9 @@ class ProgressDisplay:
             self.console.print(f"step {row['step']}/{self.total_steps}  {stats}", highlight=False)
 
 
-def format_event(event: dict[str, Any]) -> str:
-    details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in LONG_FIELDS)
-    return f"[{event['time_s']:7.2f}s] step {event['step']}: {event['type']}" + (f" ({details})" if details else "")
+def format_event(event: Event) -> str:
+    details = ", ".join(f"{k}={v}" for k, v in event.details.items() if k not in LONG_FIELDS)
+    return f"[{event.time_s:7.2f}s] step {event.step}: {event.type}" + (f" ({details})" if details else "")
 
 
 def format_evaluation(evaluation: dict[str, Any]) -> str:

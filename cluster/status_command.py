@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from actors.group_status import RunStatus
+from actors.run_status import RunStatus
 from jobconfig.naming import NAMESPACE, controller_name, run_of_controller, run_prefix
 
 RECENT_EVENTS = 10

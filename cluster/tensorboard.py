@@ -17,7 +17,7 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
-from actors.group_status import RunStatus
+from actors.run_status import RunStatus
 
 SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "world_size", "bytes_sent", "comm_s", "exposed_comm_s", "step_s")
 
@@ -42,8 +42,8 @@ class TensorBoardLog:
                 if name not in ("step", "time_s"):
                     self.writer.add_scalar(f"eval/{name}", value, global_step=evaluation["step"])
         for event in progress.events:
-            details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "step"))
-            self.writer.add_text("events", f"{event['type']}: {details}", global_step=event["step"])
+            details = ", ".join(f"{k}={v}" for k, v in {"time_s": event.time_s, **event.details}.items())
+            self.writer.add_text("events", f"{event.type}: {details}", global_step=event.step)
 
     def _write_step(self, row: dict[str, Any]) -> None:
         for name in SCALARS:

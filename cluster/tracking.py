@@ -38,7 +38,7 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 from urllib.request import pathname2url
 
-from actors.group_status import RunStatus
+from actors.run_status import RunStatus
 from jobconfig import JobConfig, TrackingConfig
 
 RunEnd = Literal["finished", "failed", "killed"]
@@ -87,7 +87,7 @@ class MlflowLog:
 
     def update(self, progress: RunStatus) -> None:
         """Log the progress's new step rows and evaluations as metrics; keep its events for the end."""
-        self.events.extend(progress.events)
+        self.events.extend(event.to_dict() for event in progress.events)
         rows = [*progress.history, *progress.evaluations]
         metrics = [metric for row in rows for metric in self._metrics(row)]
         self._guarded(self._log_metrics, metrics)

@@ -55,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
     metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
     out.print(f"finished step {result.final_step}: {metrics}", highlight=False)
     for event in result.events:
-        if event["type"] == "recovered":
-            out.print(f"recovered at step {event['step']} in {event['recovery_s']:.2f} s (from the failure's "
-                      f"detection to the next committed step), world size {event['world_size']}", highlight=False)
+        if event.type == "recovered":
+            out.print(f"recovered at step {event.step} in {event.details['recovery_s']:.2f} s (from the failure's "
+                      f"detection to the next committed step), world size {event.details['world_size']}",
+                      highlight=False)
     out.print(f"results: {Path(args.run_dir or Path('runs') / job.name) / 'result.json'}", highlight=False)
     return 0

@@ -5,7 +5,7 @@ The Controller hosts a TCPStore for the whole run; generation g's group uses the
 in the same process without any port being bound again. ``store_prefix`` is random per run, so a
 client that writes raylastic's key names blindly misses the rendezvous. It is not a secret from one
 that asks: a TCPStore has no authentication and lists its keys to any client (``list_keys``), so the
-port must be reachable from the cluster only (README, security).
+port must be reachable from the cluster only (docs/cluster.md, Security).
 
 On GPUs the group is NCCL, set up so that a survivor outlives its peer (ProcessGroupNCCL.hpp,
 torch 2.13): ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly) has the watchdog abort the

@@ -10,6 +10,7 @@ import ray
 import torch
 
 from actors.data_order import GlobalSampleOrder
+from actors.run_status import Event, RunStatus
 from jobconfig import load_job_config
 
 
@@ -24,6 +25,13 @@ def step_indices(order: GlobalSampleOrder, step: int) -> torch.Tensor:
     """Dataset indices of the whole global batch of ``step`` (0-based), in stream order: what a single
     process training on the whole batch takes."""
     return order.rank_indices(step, rank=0, world_size=1)
+
+
+def run_status(history: list[dict], events: list[dict] = (), evaluations: list[dict] = ()) -> RunStatus:
+    """A ``Controller.progress()`` answer with these rows, events (as result.json holds them) and evaluations."""
+    return RunStatus(state="running", generation=0, world_size=2, step=history[-1]["step"] if history else 0,
+                     members=[], failures=0, history=list(history), events=[Event.from_dict(e) for e in events],
+                     evaluations=list(evaluations))
 
 
 def load_model(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from actors.group_status import RunStatus
+from actors.run_status import RunStatus
 from strategies.checkpoint import (
     MANIFEST_NAME,
     Checkpointer,
@@ -318,7 +318,7 @@ def test_a_checkpoint_path_that_stops_taking_files_mid_run_ends_it_naming_path_a
     run_dir, blocked = tmp_path / "run", []
 
     def after_the_first_checkpoint(progress: RunStatus) -> None:
-        if not blocked and any(e["type"] == "checkpointed" for e in progress.events):
+        if not blocked and any(e.type == "checkpointed" for e in progress.events):
             block(run_dir / "checkpoints")
             blocked.append(progress.step)
 

@@ -51,7 +51,7 @@ def states_until_end(run: Controller) -> list[str]:
 
 
 def events(run: Controller, type_: str) -> list[dict]:
-    return [e for e in run.log.events() if e["type"] == type_]
+    return [e.to_dict() for e in run.log.events() if e.type == type_]
 
 
 def lose(name: str, rank: int) -> MembersFailed:
@@ -97,6 +97,16 @@ def test_resume_refuses_another_jobs_checkpoint(tmp_path):
     run, group = controller(tmp_path, "checkpoint.resume=auto")
     write_checkpoint(tmp_path / "step_00000003", 3, 2, "another job")
     assert isinstance(run.advance(), Failed) and "written by a job with another workload" in run.state.reason
+
+
+def test_a_recovery_refuses_another_jobs_checkpoint(tmp_path):
+    run, group = controller(tmp_path, "strategy.name=zero2", "scaling.min_workers=1")
+    write_checkpoint(tmp_path / "step_00000005", 5, 2, run.job.math_hash())
+    write_checkpoint(tmp_path / "step_00000010", 10, 2, "another job")  # appeared while the run trained
+    run.state, run.step = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), 12
+    assert run.advance().restore.manifest.step == 10
+    assert isinstance(run.advance(), Failed) and "written by a job with another workload" in run.state.reason
+    assert "restore" not in group.calls
 
 
 def test_replicated_state_comes_from_the_most_advanced_member(tmp_path):

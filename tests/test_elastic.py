@@ -48,7 +48,7 @@ def run_disturbed(tmp_path, name, *overrides, on_progress=None):
 
 
 def event_types(result):
-    return [e["type"] for e in result.events]
+    return [e.type for e in result.events]
 
 
 def assert_same_as_reference(result, state, reference):
@@ -70,17 +70,17 @@ def test_worker_killed_mid_run_survivors_carry_on(tmp_path, reference, action):
     assert_same_as_reference(result, state, reference)
     types = event_types(result)
     assert types.count("worker_failed") == 1 and "recovered" in types
-    recovered = next(e for e in result.events if e["type"] == "recovered")
-    assert recovered["world_size"] == 2 and recovered["recovery_s"] < 10
-    assert all(e["steps_lost"] == 0 for e in result.events if e["type"] == "generation_formed")
+    recovered = next(e for e in result.events if e.type == "recovered")
+    assert recovered.details["world_size"] == 2 and recovered.details["recovery_s"] < 10
+    assert all(e.details["steps_lost"] == 0 for e in result.events if e.type == "generation_formed")
 
 
 def test_stalled_worker_is_detected_and_replaced(tmp_path, reference):
     started = time.monotonic()
     result, state = run_disturbed(tmp_path, "stall", "faults=[{action: stall, rank: 2, step: 10}]")
     assert_same_as_reference(result, state, reference)
-    failed = next(e for e in result.events if e["type"] == "worker_failed")
-    assert "no answer" in failed["reason"]
+    failed = next(e for e in result.events if e.type == "worker_failed")
+    assert "no answer" in failed.details["reason"]
     assert time.monotonic() - started < 60
 
 
@@ -131,10 +131,10 @@ def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference
     assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2
     types = event_types(result)
     assert "worker_joined" in types and "worker_left" in types and "worker_failed" not in types
-    assert all(e["steps_lost"] == 0 for e in result.events if e["type"] == "generation_formed")
+    assert all(e.details["steps_lost"] == 0 for e in result.events if e.type == "generation_formed")
     if strategy == "zero3":  # sharded state moves through a checkpoint the old group writes first
-        assert sum(e.get("reason") == "membership change" for e in result.events) == 2
-    saved_steps = [e["step"] for e in result.events if e["type"] == "checkpointed"]
+        assert sum(e.details.get("reason") == "membership change" for e in result.events) == 2
+    saved_steps = [e.step for e in result.events if e.type == "checkpointed"]
     assert len(saved_steps) == len(set(saved_steps))  # one event per save
 
 
@@ -157,11 +157,11 @@ def test_driver_killed_then_same_command_resumes_from_checkpoint(tmp_path, refer
     wait_until_gone(controller_name("driver"))
 
     result = train(job(*overrides, name="driver"), run_dir=run_dir)
-    resumed = next(e for e in result.events if e["type"] == "resumed")
-    assert resumed["step"] >= 20
+    resumed = next(e for e in result.events if e.type == "resumed")
+    assert resumed.step >= 20
     assert result.final_step == STEPS
     assert_states_close(load_model(run_dir), reference[1])
-    final_saves = [e for e in result.events if e["type"] == "checkpointed" and e["step"] == STEPS]
+    final_saves = [e for e in result.events if e.type == "checkpointed" and e.step == STEPS]
     assert len(final_saves) == 1  # the loop's save of the last step (every 10) is the end of run's: reported once
 
 
@@ -174,10 +174,10 @@ def test_zero3_worker_killed_restores_lost_shards_from_checkpoint(tmp_path, refe
     result, state = run_disturbed(tmp_path, "zero3", "strategy.name=zero3", "checkpoint.every_steps=5",
                                   "faults=[{action: kill, rank: 1, step: 13}]")
     assert_same_as_reference(result, state, reference)
-    formed = [e for e in result.events if e["type"] == "generation_formed"]
-    assert formed[1]["state_source"] == "checkpoint" and formed[1]["step"] == 10  # redoes steps 11-12 only
+    formed = [e for e in result.events if e.type == "generation_formed"]
+    assert formed[1].details["state_source"] == "checkpoint" and formed[1].step == 10  # redoes steps 11-12 only
     redone = [(a["generation"], a["kept"]) for a in result.ledger[11]]
-    assert redone == [(0, False), (formed[1]["generation"], True)]  # the discarded attempt stays on record
+    assert redone == [(0, False), (formed[1].details["generation"], True)]  # the discarded attempt stays on record
     assert event_types(result).count("worker_failed") == 1
 
 

@@ -93,8 +93,8 @@ def test_nccl_survivor_carries_on_when_its_peer_is_killed(tmp_path):
     killed = train(_gpu_job(*common, "faults=[{action: kill, rank: 1, step: 8}]", name="nccl-kill"),
                    run_dir=tmp_path / "kill")
     assert killed.final_step == 20
-    assert sum(e["type"] == "worker_failed" for e in killed.events) == 1
-    recovered = next(e for e in killed.events if e["type"] == "recovered")
-    assert recovered["recovery_s"] < 10 + 10  # the survivor raised in time, it did not die with its peer
+    assert sum(e.type == "worker_failed" for e in killed.events) == 1
+    recovered = next(e for e in killed.events if e.type == "recovered")
+    assert recovered.details["recovery_s"] < 10 + 10  # the survivor raised in time, it did not die with its peer
     assert_states_close(load_model(tmp_path / "kill"), load_model(tmp_path / "undisturbed"), rtol=1e-3, atol=1e-4)
     assert _saved_scale(killed.checkpoint) == _saved_scale(undisturbed.checkpoint)

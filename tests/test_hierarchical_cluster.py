@@ -21,7 +21,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
 
-from actors.group_status import RunStatus
+from actors.run_status import RunStatus
 from cluster.job import train
 from jobconfig.naming import NAMESPACE
 from tests.conftest import REPO_ROOT

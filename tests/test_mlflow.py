@@ -12,7 +12,7 @@ import torch
 mlflow = pytest.importorskip("mlflow")
 
 from cluster.tracking import MlflowLog, store_uri  # noqa: E402
-from tests.helpers import job, load_model  # noqa: E402
+from tests.helpers import job, load_model, run_status  # noqa: E402
 
 
 def step_row(step: int) -> dict:
@@ -53,12 +53,12 @@ def test_steps_evaluations_params_artifacts_and_status_reach_mlflow(tmp_path: Pa
     log.client.log_batch = lambda run_id, **kw: batches.append(len(kw.get("metrics", ()))) or log_batch(run_id, **kw)
     events = [{"type": "worker_failed", "step": 7, "time_s": 0.07, "worker": "w1"},
               {"type": "recovered", "step": 7, "time_s": 0.5, "world_size": 1}]
-    log.update({"history": [step_row(s) for s in range(1, 8)], "events": events[:1]})
-    log.update({"history": [*map(step_row, range(8, 11)), {"step": 10, "time_s": 0.11, "eval": {"eval_loss": 1.9}}],
-                "events": events[1:]})
+    log.update(run_status([step_row(s) for s in range(1, 8)], events=events[:1]))
+    log.update(run_status([*map(step_row, range(8, 11)), {"step": 10, "time_s": 0.11, "eval": {"eval_loss": 1.9}}],
+                events=events[1:]))
     # 9 metrics a step: more than MLflow's 1000 a batch
-    log.update({"history": [step_row(s) for s in range(11, 151)], "events": [],
-                "evaluations": [{"step": 150, "time_s": 1.6, "eval_loss": 1.2, "accuracy": 0.9}]})
+    log.update(run_status([step_row(s) for s in range(11, 151)], events=[],
+                evaluations=[{"step": 150, "time_s": 1.6, "eval_loss": 1.2, "accuracy": 0.9}]))
     state = torch.nn.Linear(3, 2).state_dict()
     torch.save(state, run_dir / "model.pt")
     result_path = write_result(run_dir, "finished", final_step=150, metrics={"loss": 0.01, "accuracy": 0.9})
@@ -94,7 +94,7 @@ def test_steps_evaluations_params_artifacts_and_status_reach_mlflow(tmp_path: Pa
 def test_a_failed_or_interrupted_job_ends_its_run_so(tmp_path: Path, status: str) -> None:
     config = job(f"tracking.mlflow_uri={tmp_path / 'mlruns'}", name="broken")
     log = MlflowLog(config.tracking, config, tmp_path)
-    log.update({"history": [step_row(1)], "events": [{"type": "worker_failed", "step": 2, "time_s": 0.1}]})
+    log.update(run_status([step_row(1)], events=[{"type": "worker_failed", "step": 2, "time_s": 0.1}]))
     log.finish(status, model_path=None, result_path=write_result(tmp_path, "failed", error="boom", final_step=1))
 
     client = mlflow.MlflowClient(log.tracking_uri)
@@ -106,7 +106,7 @@ def test_a_failed_or_interrupted_job_ends_its_run_so(tmp_path: Path, status: str
 def test_an_mlflow_error_during_the_run_warns_once_and_stops_logging(tmp_path: Path) -> None:
     config = job(f"tracking.mlflow_uri={tmp_path / 'mlruns'}", "tracking.mlflow_experiment=flaky", name="flaky")
     log = MlflowLog(config.tracking, config, tmp_path)
-    log.update({"history": [step_row(1)], "events": []})
+    log.update(run_status([step_row(1)], events=[]))
     calls = []
 
     def unavailable(*args, **kwargs):
@@ -115,8 +115,8 @@ def test_an_mlflow_error_during_the_run_warns_once_and_stops_logging(tmp_path: P
 
     log.client.log_batch = unavailable
     with pytest.warns(RuntimeWarning, match="the tracking server went away"):
-        log.update({"history": [step_row(2)], "events": []})
-    log.update({"history": [step_row(3)], "events": []})  # no second warning, no further call
+        log.update(run_status([step_row(2)], events=[]))
+    log.update(run_status([step_row(3)], events=[]))  # no second warning, no further call
     assert len(calls) == 1
     log.finish("finished", model_path=None, result_path=None)
 

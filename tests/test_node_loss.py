@@ -72,7 +72,7 @@ def test_run_continues_on_the_remaining_node(tmp_path, head, second_node, refere
 
     result = train(job(*BASE, name="nodes"), run_dir=tmp_path / "nodes", on_progress=remove_second_node)
     assert removed, "the run never had 4 workers on two nodes"
-    failed = [e for e in result.events if e["type"] == "worker_failed"]
+    failed = [e for e in result.events if e.type == "worker_failed"]
     assert len(failed) == 2
     sizes = [row["world_size"] for row in result.history]
     assert sizes[0] == 4 and sizes[-1] == 2
@@ -95,11 +95,11 @@ def test_draining_a_node_moves_its_workers_out_at_a_step_boundary(tmp_path, head
     result = train(job(*BASE, name="drain"), run_dir=tmp_path / "drain", on_progress=drain_then_remove_second_node)
     assert len(actions.get("drained", [])) == 2, actions
     assert "removed" in actions and actions["removed"] < STEPS, "the run ended before the node was removed"
-    left = [e for e in result.events if e["type"] == "worker_left"]
-    assert sorted(e["worker"] for e in left) == actions["drained"]
-    assert {e["reason"] for e in left} == {"drained"}
-    assert not [e for e in result.events if e["type"] == "worker_failed"]
-    assert all(e["steps_lost"] == 0 for e in result.events if e["type"] == "generation_formed")
+    left = [e for e in result.events if e.type == "worker_left"]
+    assert sorted(e.details["worker"] for e in left) == actions["drained"]
+    assert {e.details["reason"] for e in left} == {"drained"}
+    assert not [e for e in result.events if e.type == "worker_failed"]
+    assert all(e.details["steps_lost"] == 0 for e in result.events if e.type == "generation_formed")
     sizes = [row["world_size"] for row in result.history]
     assert sizes[0] == 4 and sizes[-1] == 2 and sorted(sizes) == sizes[::-1]  # 4, then 2 for good
     assert_same_as_reference(result, tmp_path / "drain", reference)

@@ -38,7 +38,7 @@ def test_skip_discards_the_nan_step_on_every_rank_and_trains_on(tmp_path):
     assert [row["step"] for row in result.history if row.get("skipped")] == [BAD_STEP]
     assert all(math.isfinite(row["loss"]) for row in result.history if row["step"] != BAD_STEP)
     assert all(torch.isfinite(tensor).all() for tensor in load_model(tmp_path / "skip").values())
-    assert not [e for e in result.events if e["type"] == "worker_failed"]
+    assert not [e for e in result.events if e.type == "worker_failed"]
 
 
 @pytest.mark.usefixtures("ray_local")

@@ -155,7 +155,7 @@ def test_bf16_run_recovers_from_a_killed_worker_and_learns(tmp_path):
                  "failure.step_timeout_s=4", "faults=[{action: kill, rank: 1, step: 8}]", name="bf16")
     result = train(config, run_dir=tmp_path / "bf16")
     assert result.final_step == 20
-    assert any(e["type"] == "recovered" for e in result.events)
+    assert any(e.type == "recovered" for e in result.events)
     losses = _losses(result)
     assert all(math.isfinite(loss) for loss in losses)
     assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3
@@ -169,6 +169,6 @@ def test_compiled_run_trains_and_communicates_once_per_step(tmp_path):
               "failure.step_timeout_s=300", "failure.collective_timeout_s=300")  # the first step compiles: minutes here
     eager = train(job(*common, name="eager"), run_dir=tmp_path / "eager")
     compiled = train(job(*common, "training.compile=true", name="compiled"), run_dir=tmp_path / "compiled")
-    assert compiled.final_step == 6 and any(e["type"] == "compiled" for e in compiled.events)
+    assert compiled.final_step == 6 and any(e.type == "compiled" for e in compiled.events)
     assert [row["bytes_sent"] for row in compiled.history] == [row["bytes_sent"] for row in eager.history]
     torch.testing.assert_close(_losses(compiled), _losses(eager), rtol=1e-3, atol=1e-4)

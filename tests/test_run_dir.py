@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from actors.controller import RunFailed
-from actors.group_status import RunStatus
+from actors.run_status import RunStatus
 from cluster.job import train
 from jobconfig.naming import controller_name, worker_name
 from strategies.checkpoint import latest_checkpoint, read_manifest
@@ -180,5 +180,5 @@ def test_running_a_finished_run_again_keeps_its_checkpoint(finished, tmp_path):
     shutil.copytree(finished, run_dir)
     before = read_manifest(str(run_dir / "checkpoints" / "step_00000004"))
     result = train(job(*ONE_WORKER, "training.steps=4", "checkpoint.every_steps=2", name="finished"), run_dir=run_dir)
-    assert result.final_step == 4 and any(e["type"] == "resumed" for e in result.events)
+    assert result.final_step == 4 and any(e.type == "resumed" for e in result.events)
     assert latest_checkpoint(run_dir / "checkpoints").manifest == before  # not deleted and written again

@@ -111,8 +111,9 @@ def test_status_shows_the_running_job(head: RayHead, running_job: subprocess.Pop
 
     code, out, err = done["all"]  # the runs on the cluster, and the details of the only one
     assert code == 0, out + err
-    assert f"{RUN}: step " in out
-    assert re.search(rf"run {RUN}: step \d+  generation \d+  world size [12]  failures [1-9]", out), out
+    live = "(placing|forming|running|resizing|recovering|waiting_for_workers)"  # the Controller's state
+    assert re.search(rf"{RUN}: {live}, step ", out), out
+    assert re.search(rf"run {RUN}: {live}  step \d+  generation \d+  world size [12]  failures [1-9]", out), out
     assert re.search(rf"0  raylastic:{RUN}:worker\d+  [0-9a-f]{{56}}", out), out  # members: rank, name, node id
     assert "worker_failed" in out and "recovered" in out  # recent events
     assert "loss" in out and "samples/s" in out

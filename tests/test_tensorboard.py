@@ -8,6 +8,7 @@ from pathlib import Path
 from tensorboardX.proto import event_pb2
 
 from cluster.tensorboard import TensorBoardLog
+from tests.helpers import run_status
 
 
 def read_events(directory: Path) -> list[event_pb2.Event]:
@@ -31,9 +32,9 @@ def row(step: int, time_s: float) -> dict:
 
 def test_steps_are_thinned_to_the_interval_and_the_last_is_kept(tmp_path: Path) -> None:
     log = TensorBoardLog(tmp_path, min_interval_s=0.125)  # 8 steps of 1/64 s (exact in binary)
-    log.update({"history": [row(s, s / 64) for s in range(1, 26)],
-                "events": [{"type": "worker_failed", "step": 12, "time_s": 0.12, "worker": "w1"}]})
-    log.update({"history": [row(s, s / 64) for s in range(26, 38)], "events": []})
+    log.update(run_status([row(s, s / 64) for s in range(1, 26)],
+                events=[{"type": "worker_failed", "step": 12, "time_s": 0.12, "worker": "w1"}]))
+    log.update(run_status([row(s, s / 64) for s in range(26, 38)], events=[]))
     log.close()
 
     events = read_events(tmp_path / "tensorboard")
@@ -47,7 +48,7 @@ def test_steps_are_thinned_to_the_interval_and_the_last_is_kept(tmp_path: Path) 
 
 def test_every_step_is_written_when_the_interval_is_zero(tmp_path: Path) -> None:
     log = TensorBoardLog(tmp_path, min_interval_s=0.0)
-    log.update({"history": [row(s, 0.001 * s) for s in range(1, 6)], "events": []})
+    log.update(run_status([row(s, 0.001 * s) for s in range(1, 6)], events=[]))
     log.close()
     steps = [e.step for e in read_events(tmp_path / "tensorboard") for v in e.summary.value
              if v.tag == "train/world_size"]

@@ -76,7 +76,7 @@ def test_readme_main_job_survives_its_killed_worker_and_reaches_accuracy(tmp_pat
     result = train(config, run_dir=tmp_path / "readme")
     assert result.final_step == config.training.steps
     assert result.metrics["accuracy"] >= 0.90
-    types = [e["type"] for e in result.events]
+    types = [e.type for e in result.events]
     assert types.count("worker_failed") == 1 and "recovered" in types
 
 

@@ -38,7 +38,7 @@ def test_lr_follows_warmup_then_cosine_across_a_kill_and_a_resume(tmp_path):
 
     resumed = job(*recipe, name="sched")
     result = train(resumed, run_dir=tmp_path / "sched")
-    assert [e["step"] for e in result.events if e["type"] == "resumed"] == [30]
+    assert [e.step for e in result.events if e.type == "resumed"] == [30]
     assert [row["step"] for row in result.history] == list(range(31, 41))
     _assert_scheduled(result.history, resumed)
     before_resume = [row for row in failed["history"] if 8 < row["step"] <= 30]
@@ -54,7 +54,7 @@ def test_dropout_run_is_reproducible_and_a_redone_step_draws_the_same_masks(tmp_
     second = train(job(*base, name="drop2"), run_dir=tmp_path / "drop2")
     killed = train(job(*base, "faults=[{action: kill, rank: 1, step: 15}]", name="drop3"), run_dir=tmp_path / "drop3")
     other_seed = train(job(*base, "training.seed=1", name="drop4"), run_dir=tmp_path / "drop4")
-    assert [e["type"] for e in killed.events].count("worker_failed") == 1
+    assert [e.type for e in killed.events].count("worker_failed") == 1
     assert_states_close(load_model(tmp_path / "drop1"), load_model(tmp_path / "drop2"), rtol=0, atol=0)
     assert_states_close(load_model(tmp_path / "drop1"), load_model(tmp_path / "drop3"))
     assert [r["loss"] for r in first.history] == [r["loss"] for r in second.history]

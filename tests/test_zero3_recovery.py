@@ -1,4 +1,4 @@
-"""zero3 after a worker is SIGKILLed from outside (issue 16 item 17): the survivors re-form at once, and
+"""zero3 after a worker is SIGKILLed from outside: the survivors re-form at once, and
 the run ends with its checkpoint and model.pt, also once the replacement has brought the group back to
 the size it started at.
 
@@ -7,7 +7,7 @@ Two causes, each with a test here that needs no Ray (strategies/fsdp.py has the 
   process's place in the mesh. A survivor whose rank changed, in a group of a size it had been in
   before, got the earlier group's mesh back on the thread that had used it (Ray runs an actor's calls on
   long-lived threads), so its shards were saved at another rank's offsets: DCP's plan of the final save
-  failed ("Failed to validate global plan ... invalid fill"), in some runs.
+  failed ("Failed to validate global plan ... invalid fill").
 - Those caches kept the old mesh alive, and through it the old gloo group: its connections stayed open
   after the survivors left it, so a survivor blocked in one of its collectives (one not next to the lost
   rank in gloo's ring) waited out failure.collective_timeout_s: ~30 s to form the next generation.
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from actors.group_status import RunStatus
+from actors.run_status import RunStatus
 from cluster.job import train
 from strategies.base import TrainState, init_optimizer_state
 from strategies.fsdp import FSDPStrategy
@@ -177,12 +177,12 @@ def test_zero3_run_survives_an_outside_sigkill_and_its_replacement(tmp_path):
         where = f"run {attempt} (killed {killed.get('worker')} at step {killed.get('step')}): {events}"
         assert killed and result.final_step == STEPS, where
         assert (tmp_path / name / "model.pt").exists(), where
-        failed_at = next(i for i, e in enumerate(events) if e["type"] == "worker_failed")
-        formed = [e for e in events[failed_at:] if e["type"] == "generation_formed"]
-        assert formed[0]["world_size"] == 3, where
-        assert formed[0]["duration_s"] < COLLECTIVE_TIMEOUT_S / 4, where  # survivors do not wait out the timeout
-        assert formed[-1]["world_size"] == 4, f"the replacement never joined: {where}"
-        assert any(e["type"] == "checkpointed" and e["step"] == STEPS for e in events), where
+        failed_at = next(i for i, e in enumerate(events) if e.type == "worker_failed")
+        formed = [e for e in events[failed_at:] if e.type == "generation_formed"]
+        assert formed[0].details["world_size"] == 3, where
+        assert formed[0].details["duration_s"] < COLLECTIVE_TIMEOUT_S / 4, where  # survivors did not wait it out
+        assert formed[-1].details["world_size"] == 4, f"the replacement never joined: {where}"
+        assert any(e.type == "checkpointed" and e.step == STEPS for e in events), where
         models.append(load_model(tmp_path / name))
     for model in models[1:]:  # the same model, wherever the kill and the replacement's join fell
         assert_states_close(model, models[0])

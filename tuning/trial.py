@@ -23,8 +23,8 @@ import ray
 from ray import tune
 from ray.tune import PlacementGroupFactory
 
-from actors.group_status import RunStatus
 from actors.placement import ReservedBundles
+from actors.run_status import RunStatus
 from cluster.job import train
 from jobconfig import JobConfig
 from jobconfig.naming import trial_run_name
@@ -89,7 +89,7 @@ class StepReporter:
         self.last: dict[str, Any] = {}
 
     def __call__(self, progress: RunStatus) -> None:
-        self.failures += sum(event["type"] == "worker_failed" for event in progress.events)
+        self.failures += sum(event.type == "worker_failed" for event in progress.events)
         for row in progress.history:
             self.last = {key: row[key] for key in STEP_METRICS}
             if not math.isfinite(self.last["loss"]):

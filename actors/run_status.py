@@ -1,0 +1,62 @@
+"""What a reader of a run sees: its ``RunStatus`` (``Controller.progress()``) and its typed ``Event``s.
+
+An event says what happened to the run at a step; result.json, MLflow and TensorBoard keep it as
+``event.to_dict()``::
+
+    Event("worker_failed", step=12, time_s=3.2, details={"worker": "raylastic:digits:worker2", "reason": "..."})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+EventType = Literal[
+    "worker_failed",          # died, hung, or raised (``traceback``); ``reason``
+    "worker_joined",          # a joiner came in at a step boundary
+    "worker_left",            # a drained worker left at a step boundary
+    "generation_formed",      # ``generation``, ``world_size``, ``state_source``, ``steps_lost``, ``duration_s``
+    "recovered",              # the first step committed after a failure; ``recovery_s``, ``world_size``
+    "waiting_for_resources",  # below min_workers after a failure; ``workers``, ``needed``
+    "resumed",                # the run started from a checkpoint; ``path``, ``saved_world_size``, ``saved_strategy``
+    "checkpointed",           # ``path``, ``duration_s`` or ``reason``
+    "checkpoint_failed",      # a periodic save failed and the run carried on; ``path``, ``error``
+    "checkpoint_rejected",    # a checkpoint failed verification and was skipped; ``path``, ``reason``
+    "compiled",               # torch.compile's first step of a generation; ``first_step_s``
+    "finished",               # the final metrics
+]
+
+
+@dataclass(frozen=True)
+class Event:
+    type: EventType
+    step: int
+    time_s: float = 0.0
+    """Seconds since the run began, stamped by the RunLog when it takes the event in."""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "step": self.step, "time_s": self.time_s, **self.details}
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Event:
+        """An event as result.json holds it."""
+        details = {k: v for k, v in record.items() if k not in ("type", "step", "time_s")}
+        return cls(record["type"], record["step"], record.get("time_s", 0.0), details)
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """``Controller.progress()``: the run's state and what happened since the reader's last positions."""
+
+    state: str
+    """The Controller's state: placing, forming, running, resizing, recovering, waiting_for_workers,
+    finishing, finished, failed or stopped."""
+    generation: int
+    world_size: int
+    step: int
+    members: list[str]
+    failures: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
