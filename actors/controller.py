@@ -42,6 +42,7 @@ from actors.policies import (
     Verdict,
     choose_state_source,
     members_lack_newest_state,
+    read_drain_notices,
     workers_missing,
 )
 from actors.run_checkpoints import ForeignCheckpoint, RunCheckpoints
@@ -117,6 +118,8 @@ class Controller:
         """The newest step the run committed."""
         self.failures = 0
         self.stop_requested = False
+        self.pending_drains: dict[str, list[str]] = {}
+        """Draining nodes acted on -> their members, which leave at the next step boundary."""
         self._actions = {Placing: self._place, Forming: self._form, Running: self._train, Resizing: self._resize,
                          Recovering: self._recover, WaitingForWorkers: self._wait_for_workers,
                          Finishing: self._finish}
@@ -228,6 +231,7 @@ class Controller:
         while True:
             status = self.group.poll()
             recovering_since = self._record(status, recovering_since)
+            self._act_on_drain_notices(status)
             verdict = self.judge.decide(status)
             if not isinstance(verdict, KeepTraining):
                 break
@@ -265,6 +269,20 @@ class Controller:
             return True
         return False
 
+    def _act_on_drain_notices(self, status: GroupStatus) -> None:
+        """Members on a node Ray drains leave at the next step boundary (and are replaced elsewhere); a drain
+        called off before the boundary keeps them."""
+        notices = read_drain_notices(status, set(self.pending_drains))
+        for node, deadline in notices.new.items():
+            workers = self.group.drain(node_id=node, replace=True)
+            self.pending_drains[node] = workers
+            self.log.event("node_draining", self.step, node_id=node, workers=workers,
+                           deadline_s=None if deadline is None else round(deadline - time.time(), 1))
+        for node in notices.called_off:
+            self.group.undrain(node_id=node)
+            del self.pending_drains[node]
+            self.log.event("node_drain_cancelled", self.step, node_id=node)
+
     def _resize(self, state: Resizing) -> RunState:
         """At a step boundary: drained workers leave, ready joiners come in. Sharded state is saved by the old
         group first and loaded, resharded, by the new one: nothing is discarded."""
@@ -273,9 +291,17 @@ class Controller:
             path = self.group.call_all("save_checkpoint")[0]
             self.log.event("checkpointed", self.step, path=path, reason="membership change")
             restore = Checkpoint(path, read_manifest(path))
-        for name in self.group.remove_drained():
-            self.log.event("worker_left", self.step, worker=name, reason="drained")
+        for name, node in self.group.remove_drained().items():
+            self.log.event("worker_left", self.step, worker=name, node_id=node, reason="drained")
+        for node, workers in self.pending_drains.items():
+            self.log.event("drained", self.step, node_id=node, workers=workers, steps_lost=0)
+        self.pending_drains = {}
         self._admit_joiners()
+        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
+        if missing:
+            self.log.event("waiting_for_resources", self.step, workers=self.group.size, needed=missing)
+            return WaitingForWorkers(needed=missing, deadline=time.monotonic() + self.job.scaling.placement_timeout_s,
+                                     restore=restore)
         return Forming(restore=restore)
 
     def _recover(self, state: Recovering) -> RunState:

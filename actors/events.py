@@ -199,7 +199,3 @@ class RunLog:
                     break
                 rows.append(row)
             return rows
-
-    def count(self, type_: str) -> int:
-        with self._lock:
-            return sum(1 for e in self._events if e.type == type_)

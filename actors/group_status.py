@@ -6,7 +6,7 @@ here calls Ray, so a test builds these by hand.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DONE_PHASES = frozenset({"finished", "stopped", "failed"})
@@ -32,6 +32,7 @@ class MemberStatus:
 
     name: str
     phase: str = "training"
+    node_id: str = ""
     silent_s: float = 0.0
     """Since its last answer to a poll."""
     step_running_s: float | None = None
@@ -71,6 +72,8 @@ class GroupStatus:
     """Joiners constructed and ready to come in at the next step boundary."""
     draining: bool = False
     """Members were asked to leave at the next step boundary."""
+    draining_nodes: dict[str, float | None] = field(default_factory=dict)
+    """Nodes Ray is draining (a preemption notice) -> when each goes (``time.time()`` seconds; None: unknown)."""
 
     @property
     def world_size(self) -> int:

@@ -38,7 +38,8 @@ class Membership:
                                    max_concurrency=2)
         self.members: list[Member] = []
         self.joining: list[Member] = []
-        self.draining: set[str] = set()
+        self.draining: dict[str, bool] = {}
+        """Members asked to leave at the next step boundary -> whether a replacement is asked for."""
         self._spawned = 0
 
     @property
@@ -91,15 +92,22 @@ class Membership:
         self.joining = [m for m in self.joining if m not in joiners]
         self.members += joiners
 
-    def drain(self, names: set[str]) -> None:
-        self.draining |= names & {m.name for m in self.members}
+    def drain(self, names: set[str], *, replace: bool = False) -> None:
+        """``names`` leave at the next step boundary; with ``replace``, a slot is asked for each (a node
+        being taken away: the run should grow back elsewhere)."""
+        self.draining |= dict.fromkeys(names & {m.name for m in self.members}, replace)
+
+    def undrain(self, names: set[str]) -> None:
+        """A drain called off before the boundary: those members stay."""
+        for name in names:
+            self.draining.pop(name, None)
 
     def remove_drained(self) -> list[Member]:
-        """Members asked to leave: removed now, at a step boundary, without replacement."""
+        """Members asked to leave: removed now, at a step boundary (replaced if the drain asked for it)."""
         leaving = [m for m in self.members if m.name in self.draining]
         for member in leaving:
             self.members.remove(member)
-            self.remove(member, replace=False)
+            self.remove(member, replace=self.draining[member.name])
         self.draining.clear()
         return leaving
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -34,6 +35,14 @@ class SlotShape:
 
     def bundle(self) -> dict[str, float]:
         return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {}), **self.custom}
+
+
+def draining_nodes() -> dict[str, float | None]:
+    """Nodes Ray is draining (a preemption notice, ``ray drain-node``, SIGTERM to ``ray start --block``):
+    node id -> when the node goes (``time.time()`` seconds; None: no deadline). Ray places nothing new on
+    them."""
+    deadlines_ms = ray._private.state.state.get_draining_nodes()  # the GCS's view; no public API yet
+    return {node_id: (deadline / 1000 if deadline else None) for node_id, deadline in deadlines_ms.items()}
 
 
 class WorkerSlots:

@@ -7,7 +7,9 @@ Every decision of a run is taken here, from a snapshot:
 - ``GenerationJudge``: from a ``GroupStatus`` poll, whether the generation trains on, finished, stopped
   at a boundary, lost workers (dead, silent, hung, blamed for their peers' errors) or hit a job error;
 - ``choose_state_source``: where a new generation's state comes from;
-- ``workers_missing``: whether the run must wait for workers before it can form again.
+- ``workers_missing``: whether the run must wait for workers before it can form again;
+- ``read_drain_notices``: which draining nodes' workers leave at the next step boundary, and which drains
+  were called off.
 
 Example::
 
@@ -60,6 +62,22 @@ class ScalingPolicy:
 def workers_missing(*, min_workers: int, num_workers: int) -> int:
     """How many workers the run must wait for before it may form a generation (0: none)."""
     return max(0, min_workers - num_workers)
+
+
+@dataclass(frozen=True)
+class DrainNotices:
+    new: dict[str, float | None]
+    """Draining nodes that host members -> their deadlines: those members leave at the next step boundary."""
+    called_off: tuple[str, ...]
+    """Nodes whose drain was acted on and that are no longer draining: their members stay."""
+
+
+def read_drain_notices(status: GroupStatus, pending: set[str]) -> DrainNotices:
+    """What Ray's draining nodes mean for the run, given the nodes whose members are already ``pending`` to
+    leave at the next boundary."""
+    hosting = {member.node_id for member in status.members if member.node_id}
+    new = {node: deadline for node, deadline in status.draining_nodes.items() if node in hosting - pending}
+    return DrainNotices(new, tuple(sorted(pending - status.draining_nodes.keys())))
 
 
 # -- failures -------------------------------------------------------------------------------------------------

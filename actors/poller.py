@@ -66,7 +66,7 @@ class GenerationPoller:
 
     def statuses(self) -> tuple[MemberStatus, ...]:
         now = time.monotonic()
-        return tuple(MemberStatus(name=m.name, phase=v.phase, silent_s=now - v.last_answer,
+        return tuple(MemberStatus(name=m.name, phase=v.phase, node_id=m.node_id, silent_s=now - v.last_answer,
                                   step_running_s=v.step_running_s, error=v.error, error_cause=v.error_cause,
                                   dead=v.dead)
                      for m in self.members for v in [self.views[m.name]])

@@ -71,14 +71,15 @@ class Recovering:
 
 @dataclass(frozen=True)
 class WaitingForWorkers:
-    """Below scaling.min_workers after a failure: replacements are started as their slots become ready."""
+    """Below scaling.min_workers after a failure or a drain: replacements start as their slots become ready."""
 
     name: ClassVar[str] = "waiting_for_workers"
 
     needed: int
     deadline: float
     """``time.monotonic()`` by which they must be in (scaling.placement_timeout_s after the failure)."""
-    recovering_since: float
+    recovering_since: float | None = None
+    """When the failure that left the run short happened (None: a drain did)."""
     restore: Checkpoint | None = None
 
 

@@ -15,6 +15,9 @@ EventType = Literal[
     "worker_failed",          # died, hung, or raised (``traceback``); ``reason``
     "worker_joined",          # a joiner came in at a step boundary
     "worker_left",            # a drained worker left at a step boundary
+    "node_draining",          # Ray drains a node of the run (a preemption notice); ``deadline_s``, ``workers``
+    "node_drain_cancelled",   # the drain was called off before the boundary: its workers stay
+    "drained",                # a draining node's workers left at a step boundary; ``steps_lost`` (0)
     "generation_formed",      # ``generation``, ``world_size``, ``state_source``, ``steps_lost``, ``duration_s``
     "recovered",              # the first step committed after a failure; ``recovery_s``, ``world_size``
     "waiting_for_resources",  # below min_workers after a failure; ``workers``, ``needed``

@@ -26,7 +26,7 @@ import ray
 from actors.failures import is_peer_loss
 from actors.group_status import GroupStatus, LostWorker
 from actors.membership import Member, Membership
-from actors.placement import ReservedBundles, ReservedSlots, SlotShape, WorkerSlots
+from actors.placement import ReservedBundles, ReservedSlots, SlotShape, WorkerSlots, draining_nodes
 from actors.poller import GenerationPoller, death_reason
 from actors.worker import JoinReport, TrainingThreadHung, WorkerSpec
 from jobconfig import FaultConfig, JobConfig
@@ -43,6 +43,8 @@ LONG_POLL_S = 1.0
 """Longest a worker's poll waits for news: how fresh step results are when nothing else happens.
 Each poll costs the Controller, the worker and Ray's services CPU that a small model's steps,
 on a machine with no core to spare, would otherwise have had."""
+NOTICE_POLL_S = 1.0
+"""How often the GCS is asked which nodes are draining (a spot notice gives 30-120 s)."""
 BUSY_POLL_S = 0.1
 """How often the group is polled while something is under way (slots or joiners awaited, a drain,
 an error's grace period); otherwise the polls' answers set the pace."""
@@ -73,6 +75,8 @@ class WorkerGroup:
         self.ranked: list[Member] = []
         """The members of the generation formed last, in rank order."""
         self._poller: GenerationPoller | None = None
+        self._draining_nodes: dict[str, float | None] = {}
+        self._notices_read_at = -NOTICE_POLL_S
 
     @classmethod
     def for_job(cls, job: JobConfig, checkpointer: Checkpointer, *, reserved: ReservedBundles | None = None,
@@ -149,15 +153,21 @@ class WorkerGroup:
         self.membership.admit(joiners)
         return [m.name for m in joiners]
 
-    def drain(self, *, rank: int | None = None, node_id: str | None = None) -> list[str]:
-        """The member of ``rank`` (or every member on ``node_id``) leaves at the next step boundary."""
+    def drain(self, *, rank: int | None = None, node_id: str | None = None, replace: bool = False) -> list[str]:
+        """The member of ``rank`` (or every member on ``node_id``) leaves at the next step boundary; with
+        ``replace``, a slot is asked for each (Ray places none on a draining node)."""
         names = {m.name for r, m in enumerate(self.membership.members)
                  if r == rank or (node_id and m.node_id == node_id)}
-        self.membership.drain(names)
+        self.membership.drain(names, replace=replace)
         return sorted(names)
 
-    def remove_drained(self) -> list[str]:
-        return [m.name for m in self.membership.remove_drained()]
+    def undrain(self, *, node_id: str) -> None:
+        """The members on ``node_id`` stay after all (its drain was called off)."""
+        self.membership.undrain({m.name for m in self.membership.members if m.node_id == node_id})
+
+    def remove_drained(self) -> dict[str, str]:
+        """The drained members leave now, at a step boundary: their names -> the nodes they were on."""
+        return {m.name: m.node_id for m in self.membership.remove_drained()}
 
     def drop(self, name: str) -> None:
         """A member (or joiner) that failed: removed, and a slot requested for its replacement."""
@@ -265,7 +275,12 @@ class WorkerGroup:
                            errors_for_s=self._poller.errors_for_s(), num_joining=self.num_joining,
                            num_placeable=self.membership.slots.count_ready(),
                            num_joiners_ready=len(self.membership.ready_joiners()),
-                           draining=bool(self.membership.draining))
+                           draining=bool(self.membership.draining), draining_nodes=self._read_notices())
+
+    def _read_notices(self) -> dict[str, float | None]:
+        if time.monotonic() - self._notices_read_at >= NOTICE_POLL_S:
+            self._draining_nodes, self._notices_read_at = draining_nodes(), time.monotonic()
+        return self._draining_nodes
 
 
 def plain(text: str) -> str:

@@ -46,6 +46,10 @@ class FakeGroup:
         self.checkpoint_root = checkpoint_root
         self.config_hash = config_hash
         self.stop_at_boundary = False
+        self.nodes: dict[str, str] = {}
+        """Member name -> node id (none by default)."""
+        self.draining_nodes: dict[str, float | None] = {}
+        """What Ray reports as draining, for every poll."""
         self.replicated = replicated
         self.shut_down = False
         self._spawned = workers
@@ -149,9 +153,16 @@ class FakeGroup:
     def request_boundary(self) -> None:
         self.stop_at_boundary = True
 
-    def drain(self, *, rank: int | None = None, node_id: str | None = None) -> list[str]:
-        self.draining |= {self.members[rank]} if rank is not None else set()
-        return sorted(self.draining)
+    def drain(self, *, rank: int | None = None, node_id: str | None = None, replace: bool = False) -> list[str]:
+        names = {name for r, name in enumerate(self.members)
+                 if r == rank or (node_id is not None and self.nodes.get(name) == node_id)}
+        self.draining |= names
+        if replace:
+            self.calls.append(f"drain {node_id} and replace")
+        return sorted(names)
+
+    def undrain(self, *, node_id: str) -> None:
+        self.draining -= {name for name in self.members if self.nodes.get(name) == node_id}
 
     def add_joiners(self, count: int, *, timeout_s: float = 0.0) -> None:
         started = min(count, self.spares)
@@ -168,8 +179,8 @@ class FakeGroup:
         self.members += admitted
         return admitted
 
-    def remove_drained(self) -> list[str]:
-        leaving = [name for name in self.members if name in self.draining]
+    def remove_drained(self) -> dict[str, str]:
+        leaving = {name: self.nodes.get(name, "") for name in self.members if name in self.draining}
         self.members = [name for name in self.members if name not in self.draining]
         self.draining = set()
         return leaving
@@ -185,10 +196,10 @@ class FakeGroup:
     # -- helpers --------------------------------------------------------------------------------------------
     def _status(self, news: tuple[RankNews, ...]) -> GroupStatus:
         return GroupStatus(generation=self.generation, news=news,
-                           members=tuple(MemberStatus(name, phase=self.phase.get(name, "training"))
-                                         for name in self.members),
-                           num_joiners_ready=len(self.ready),
-                           draining=bool(self.draining))
+                           members=tuple(MemberStatus(name, phase=self.phase.get(name, "training"),
+                                                      node_id=self.nodes.get(name, "")) for name in self.members),
+                           num_joiners_ready=len(self.ready), draining=bool(self.draining),
+                           draining_nodes=dict(self.draining_nodes))
 
     def _save(self) -> str:
         step = max(self.steps.values())

@@ -155,6 +155,54 @@ def test_a_drained_worker_leaves_at_a_boundary(tmp_path):
     assert events(run, "worker_left")[0]["reason"] == "drained" and run.failures == 0
 
 
+def test_workers_on_a_draining_node_leave_at_a_boundary_and_are_replaced(tmp_path):
+    run, group = controller(tmp_path, "scaling.min_workers=1", workers=3)
+    group.nodes = {"w0": "head", "w1": "spot", "w2": "spot"}
+    run.state = Forming()
+    run.advance()
+    group.draining_nodes = {"spot": time.time() + 60}  # a preemption notice, 60 s ahead
+    assert isinstance(run.advance(), Resizing)
+    draining = events(run, "node_draining")[0]
+    assert draining["workers"] == ["w1", "w2"] and 55 < draining["deadline_s"] <= 60
+    assert isinstance(run.advance(), Forming) and group.member_names == ["w0"]
+    assert "drain spot and replace" in group.calls  # Ray places the replacements on other nodes
+    assert events(run, "drained") == [dict(events(run, "drained")[0], node_id="spot", workers=["w1", "w2"],
+                                           steps_lost=0)]
+    assert run.failures == 0 and not events(run, "worker_failed")
+    assert states_until_end(run)[-1] == "finished"
+    assert len(events(run, "node_draining")) == 1  # the node still drains: acted on once
+
+
+def test_a_drain_called_off_before_the_boundary_keeps_the_workers(tmp_path):
+    run, group = controller(tmp_path, workers=2)
+    group.nodes = {"w0": "head", "w1": "spot"}
+    run.state = Forming()
+    run.advance()
+    group.draining_nodes = {"spot": None}
+
+    def call_off(status):
+        group.draining_nodes = {}  # the next poll finds the drain cancelled
+        return status
+
+    group.on_poll(call_off)
+    assert isinstance(run.advance(), Resizing)  # the boundary was asked for before the drain was called off
+    assert events(run, "node_draining")[0]["deadline_s"] is None and events(run, "node_drain_cancelled")
+    assert isinstance(run.advance(), Forming) and group.member_names == ["w0", "w1"]
+    assert not events(run, "drained") and not events(run, "worker_left")
+
+
+def test_a_drain_below_min_workers_waits_for_replacements(tmp_path):
+    run, group = controller(tmp_path, "scaling.min_workers=2", workers=2, spares=1)
+    group.nodes = {"w0": "head", "w1": "spot"}
+    run.state = Forming()
+    run.advance()
+    group.draining_nodes = {"spot": time.time() + 30}
+    run.advance()
+    waiting = run.advance()
+    assert isinstance(waiting, WaitingForWorkers) and waiting.recovering_since is None and run.failures == 0
+    assert isinstance(run.advance(), Forming) and group.member_names == ["w0", "w2"]
+
+
 def test_sharded_resize_saves_first_and_the_new_generation_loads_it(tmp_path):
     run, group = controller(tmp_path, "strategy.name=zero1", "scaling.min_workers=1")
     run.state = Forming()

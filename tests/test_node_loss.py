@@ -1,12 +1,20 @@
 """A node leaves: a simulated two-node Ray cluster (ray.cluster_utils.Cluster) whose second node runs
 half of the workers. Lost without notice, its workers fail and the run carries on with the other
-half; drained first (a spot notice), they leave at a step boundary and nothing fails when the node
-goes. Either way the result is the undisturbed run's, every step applied exactly once."""
+half; drained first (by the Controller, or by Ray on a preemption notice), they leave at a step boundary
+and nothing fails when the node goes. Either way the result is the undisturbed run's, every step applied
+exactly once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -103,3 +111,81 @@ def test_draining_a_node_moves_its_workers_out_at_a_step_boundary(tmp_path, head
     sizes = [row["world_size"] for row in result.history]
     assert sizes[0] == 4 and sizes[-1] == 2 and sorted(sizes) == sizes[::-1]  # 4, then 2 for good
     assert_same_as_reference(result, tmp_path / "drain", reference)
+
+
+def test_a_preemption_notice_moves_the_workers_out_before_the_node_goes(tmp_path, head, second_node, reference):
+    """``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`` (what a spot notice becomes): the workers on the
+    node leave at the next step boundary on their own, replacements are asked for elsewhere (none is placed on
+    the draining node), and the node then goes without a failure."""
+    actions = {}
+
+    def notice_then_remove_second_node(progress):
+        if progress.step >= 10 and progress.world_size == 4 and "noticed" not in actions:
+            actions["noticed"] = progress.step
+            subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", head.address,
+                            "--node-id", second_node.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                            "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds", "60"],
+                           check=True, capture_output=True, timeout=60)
+        elif "noticed" in actions and progress.world_size == 2 and "removed" not in actions:
+            if progress.step >= actions.setdefault("two_at", progress.step) + 5:  # no replacement lands on it
+                head.remove_node(second_node)
+                actions["removed"] = progress.step
+
+    run_dir = tmp_path / "notice"
+    result = train(job(*BASE, "workload.options={pause_s: 0.15}", name="notice"), run_dir=run_dir,
+                   on_progress=notice_then_remove_second_node)
+    assert "removed" in actions and actions["removed"] < STEPS, f"the run ended before the node was removed: {actions}"
+    draining = [e for e in result.events if e.type == "node_draining"]
+    assert len(draining) == 1 and draining[0].details["node_id"] == second_node.node_id
+    assert 30 < draining[0].details["deadline_s"] <= 60 and len(draining[0].details["workers"]) == 2
+    drained = [e for e in result.events if e.type == "drained"]
+    assert [(e.details["node_id"], e.details["steps_lost"]) for e in drained] == [(second_node.node_id, 0)]
+    assert not [e for e in result.events if e.type == "worker_failed"]
+    sizes = [row["world_size"] for row in result.history]
+    assert sizes[0] == 4 and sizes[-1] == 2 and sorted(sizes) == sizes[::-1]  # 4, then 2 for good
+    assert_same_as_reference(result, run_dir, reference)
+
+
+@pytest.fixture
+def block_node(head):
+    """A second node started as a cloud image starts it, ``ray start --address ... --block`` (2 CPUs); on SIGTERM
+    it drains itself (Ray's RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, 30 s by default) before it shuts down."""
+    before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    process = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--address", head.address,
+                                "--num-cpus=2", "--block", "--disable-usage-stats"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    started = psutil.Process(process.pid)
+    deadline = time.monotonic() + 60
+    while not (new := {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before):
+        assert process.poll() is None and time.monotonic() < deadline, "ray start --block did not join"
+        time.sleep(0.5)
+    children = started.children(recursive=True)
+    yield process, new.pop()
+    if process.poll() is None:
+        process.kill()
+    for child in children:  # what this node started, and only that
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+
+
+def test_sigterm_to_a_ray_start_block_node_moves_the_workers_out_before_it_goes(tmp_path, head, block_node,
+                                                                                 reference):
+    process, node_id = block_node
+    signalled = {}
+
+    def sigterm_the_node(progress):
+        if progress.step >= 10 and progress.world_size == 4 and not signalled:
+            signalled["step"] = progress.step
+            process.send_signal(signal.SIGTERM)  # as Kubernetes or a spot reclaim stops the node
+
+    run_dir = tmp_path / "sigterm"
+    result = train(job(*BASE, "workload.options={pause_s: 0.15}", name="sigterm"), run_dir=run_dir,
+                   on_progress=sigterm_the_node)
+    assert signalled, "the run never had 4 workers on two nodes"
+    drained = [e for e in result.events if e.type == "drained"]
+    assert [(e.details["node_id"], e.details["steps_lost"]) for e in drained] == [(node_id, 0)]
+    assert not [e for e in result.events if e.type == "worker_failed"]
+    assert process.wait(timeout=60) is not None  # the node went once idle, without waiting out its drain
+    sizes = [row["world_size"] for row in result.history]
+    assert sizes[0] == 4 and sizes[-1] == 2 and sorted(sizes) == sizes[::-1]
+    assert_same_as_reference(result, run_dir, reference)

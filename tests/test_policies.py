@@ -30,6 +30,7 @@ from actors.policies import (
     WorkersLost,
     choose_state_source,
     members_lack_newest_state,
+    read_drain_notices,
     workers_missing,
 )
 from strategies.checkpoint import Checkpoint, CheckpointManifest
@@ -182,3 +183,16 @@ def test_a_newer_checkpoint_beats_members_that_lost_the_newest_state():
 
 def test_sharded_state_without_a_checkpoint_starts_from_the_seed():
     assert choose_state_source(replicated=False, pending=None, member_steps=[0, 0]) == FromSeed()
+
+
+# -- drain notices ----------------------------------------------------------------------------------------
+
+
+def test_drain_notices_name_new_draining_nodes_of_members_and_called_off_drains():
+    members = tuple(MemberStatus(name, node_id=node) for name, node in (("a", "head"), ("b", "spot1"), ("c", "spot2")))
+    status = GroupStatus(generation=0, members=members,
+                         draining_nodes={"spot1": 100.0, "spot2": None, "elsewhere": 50.0})
+    notices = read_drain_notices(status, pending={"spot2"})
+    assert notices.new == {"spot1": 100.0} and notices.called_off == ()  # "elsewhere" hosts none of the run's
+    later = GroupStatus(generation=0, members=members, draining_nodes={"spot1": 100.0})
+    assert read_drain_notices(later, pending={"spot1", "spot2"}).called_off == ("spot2",)
