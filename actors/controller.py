@@ -101,7 +101,8 @@ class Controller:
         self.metrics = RunMetrics(job.name)
         self.checkpoints = RunCheckpoints(root=checkpoint_root, config_hash=job.math_hash(), log=self.log)
         self.replicated = build_strategy(job.strategy).replicated
-        self.scaling_policy = ScalingPolicy(min_workers=job.scaling.min_workers, max_workers=job.scaling.max_workers)
+        self.scaling_policy = ScalingPolicy(min_workers=job.scaling.min_workers, max_workers=job.scaling.max_workers,
+                                            spare_workers=job.scaling.spare_workers)
         self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
         self.judge = GenerationJudge(step_timeout_s=job.failure.step_timeout_s, max_step_s=job.failure.max_step_s,
                                      collective_timeout_s=job.failure.collective_timeout_s)
@@ -194,7 +195,7 @@ class Controller:
     def _place(self, state: Placing) -> RunState:
         scaling = self.job.scaling
         for worker in self.group.place(max_workers=scaling.max_workers, min_workers=scaling.min_workers,
-                                       timeout_s=scaling.placement_timeout_s):
+                                       spare_workers=scaling.spare_workers, timeout_s=scaling.placement_timeout_s):
             self.log.event("worker_failed", self.step, worker=worker.name, reason=worker.reason)
         if workers_missing(min_workers=scaling.min_workers, num_workers=self.group.size):
             return Failed(self._too_few_workers("could be placed"))
@@ -259,12 +260,18 @@ class Controller:
         return Recovering(verdict.lost + tuple(also_dead), recovering_since=recovering_since or time.time())
 
     def _consider_scaling(self, status: GroupStatus) -> bool:
-        """Start joiners if the policy wants more workers; True when a membership change was asked for."""
-        current = status.world_size + status.num_joining
-        decision = self.scaling_policy.decide(ScalingState(num_workers=current, num_placeable=status.num_placeable))
-        if isinstance(decision, Resize) and decision.num_workers > current:
-            self.group.add_joiners(decision.num_workers - current)
-        if status.membership_change_ready:
+        """Take spares and start joiners if the policy wants more workers, and start spares on the slots left;
+        True when a membership change was asked for."""
+        state = ScalingState(num_workers=status.world_size + status.num_joining, num_placeable=status.num_placeable,
+                             num_spares_ready=status.num_spares_ready, num_spares=status.num_spares)
+        decision, taken = self.scaling_policy.decide(state), 0
+        if isinstance(decision, Resize):
+            taken = self.group.promote_spares(decision.from_spares)
+            self.group.add_joiners(decision.num_workers - state.num_workers - taken)
+            if taken:
+                self.log.event("spares_taken", self.step, workers=taken, reason="scale-up")
+        self.group.add_spares(self.scaling_policy.spares_to_start(state, decision))
+        if status.membership_change_ready or taken:
             self.group.request_boundary()
             return True
         return False
@@ -318,17 +325,19 @@ class Controller:
             return Failed(f"{decision.reason}; last failure: {last}{self._checkpoint_note()}")
         # The failed workers' shards are gone: a sharded group restarts from a checkpoint.
         restore = state.restore if self.replicated else self.checkpoints.newest(max_step=self.step, at_step=self.step)
+        self._take_spares(reason="failure")
+        self._admit_joiners()
         missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
         if missing:
             self.log.event("waiting_for_resources", self.step, workers=self.group.size, needed=missing)
             return WaitingForWorkers(needed=missing, deadline=time.monotonic() + self.job.scaling.placement_timeout_s,
                                      recovering_since=state.recovering_since, restore=restore)
-        self._admit_joiners()
         return Forming(restore=restore, recovering_since=state.recovering_since)
 
     def _wait_for_workers(self, state: WaitingForWorkers) -> RunState:
         """Start replacements as their slots become ready; form again once min_workers are in, fail at the
         deadline. Each call waits at most WAIT_SLICE_S, so a stop request is heard."""
+        self._take_spares(reason="failure")
         missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
         self.group.add_joiners(missing - self.group.num_joining)
         self.group.wait_for_joiners(max(0.0, min(WAIT_SLICE_S, state.deadline - time.monotonic())))
@@ -361,6 +370,13 @@ class Controller:
             ledger=self.log.ledger() if self.job.training.record_samples else None))
 
     # -- what the actions share -----------------------------------------------------------------------------
+    def _take_spares(self, *, reason: str) -> None:
+        """Ready spares join now, up to max_workers (their slots are asked for again by the failed workers)."""
+        wanted = self.scaling_policy.spares_to_take(num_workers=self.group.size + self.group.num_joining,
+                                                    num_spares_ready=self.group.num_spares_ready)
+        if wanted and (taken := self.group.promote_spares(wanted)):
+            self.log.event("spares_taken", self.step, workers=taken, reason=reason)
+
     def _admit_joiners(self) -> None:
         for name in self.group.admit_ready_joiners():
             self.log.event("worker_joined", self.step, worker=name)

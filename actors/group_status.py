@@ -72,6 +72,10 @@ class GroupStatus:
     """Joiners constructed and ready to come in at the next step boundary."""
     draining: bool = False
     """Members were asked to leave at the next step boundary."""
+    num_spares: int = 0
+    """Spares started (scaling.spare_workers), constructed or not."""
+    num_spares_ready: int = 0
+    """Spares constructed and idle, ready to come in at once."""
     draining_nodes: dict[str, float | None] = field(default_factory=dict)
     """Nodes Ray is draining (a preemption notice) -> when each goes (``time.time()`` seconds; None: unknown)."""
 

@@ -38,6 +38,8 @@ class Membership:
                                    max_concurrency=2)
         self.members: list[Member] = []
         self.joining: list[Member] = []
+        self.spares: list[Member] = []
+        """Workers started and held idle (scaling.spare_workers), to join at once when one is needed."""
         self.draining: dict[str, bool] = {}
         """Members asked to leave at the next step boundary -> whether a replacement is asked for."""
         self._spawned = 0
@@ -68,18 +70,40 @@ class Membership:
         self.joining += joiners
         return len(joiners)
 
+    def add_spares(self, count: int) -> int:
+        """Start up to ``count`` spares on slots that are ready now; returns how many started."""
+        spares = self.spawn(self.slots.take_ready(count))
+        self.spares += spares
+        return len(spares)
+
+    def ready_spares(self) -> list[Member]:
+        """Spares whose actor is constructed; a spare that died is dropped and its slot asked for again."""
+        return self._constructed(self.spares)
+
+    def promote_spares(self, count: int) -> list[Member]:
+        """Up to ``count`` constructed spares become joiners, ready to come in at once."""
+        promoted = self.ready_spares()[:count]
+        self.spares = [m for m in self.spares if m not in promoted]
+        self.joining += promoted
+        return promoted
+
     def ready_joiners(self) -> list[Member]:
         """Joiners whose actor is constructed; a joiner that died starting is dropped and replaced."""
-        if not self.joining:
+        return self._constructed(self.joining)
+
+    def _constructed(self, starting: list[Member]) -> list[Member]:
+        """Of ``starting`` (joiners or spares), those constructed; one that died is dropped from the list and
+        its slot asked for again."""
+        if not starting:
             return []
-        ready, _ = ray.wait([m.ready for m in self.joining], num_returns=len(self.joining), timeout=0)
+        ready, _ = ray.wait([m.ready for m in starting], num_returns=len(starting), timeout=0)
         constructed = []
-        for member in [m for m in self.joining if m.ready in ready]:
+        for member in [m for m in starting if m.ready in ready]:
             try:
                 ray.get(member.ready)
                 constructed.append(member)
             except RayActorError:
-                self.joining.remove(member)
+                starting.remove(member)
                 self.remove(member, replace=True)
         return constructed
 
@@ -124,7 +148,7 @@ class Membership:
             self.slots.request(1)
 
     def shutdown(self) -> None:
-        for member in self.members + self.joining:
+        for member in self.members + self.joining + self.spares:
             self.remove(member, replace=False)
-        self.members, self.joining = [], []
+        self.members, self.joining, self.spares = [], [], []
         self.slots.release_pending()

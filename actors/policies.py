@@ -35,28 +35,47 @@ class Noop:
 @dataclass(frozen=True)
 class Resize:
     num_workers: int
+    from_spares: int = 0
+    """Of the new workers, how many are spares taken (the others start on slots that are ready)."""
 
 
 @dataclass(frozen=True)
 class ScalingState:
     num_workers: int
-    """Workers in the current generation."""
+    """Workers in the current generation (and joining it)."""
     num_placeable: int
     """Further workers whose resources are reserved and ready now."""
+    num_spares_ready: int = 0
+    """Spares constructed and idle."""
+    num_spares: int = 0
+    """Spares started, constructed or not."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScalingPolicy:
-    """Ask for as many workers as allowed, as soon as resources for them are ready."""
+    """Ask for as many workers as allowed, as soon as resources for them are ready, taking ready spares
+    first; keep ``spare_workers`` spares started besides."""
 
     min_workers: int
     max_workers: int
+    spare_workers: int = 0
 
     def decide(self, state: ScalingState) -> Noop | Resize:
-        target = min(self.max_workers, state.num_workers + state.num_placeable)
+        target = min(self.max_workers, state.num_workers + state.num_placeable + state.num_spares_ready)
         if target != state.num_workers and target >= self.min_workers:
-            return Resize(target)
+            return Resize(target, from_spares=min(state.num_spares_ready, target - state.num_workers))
         return Noop()
+
+    def spares_to_start(self, state: ScalingState, decision: Noop | Resize) -> int:
+        """New spares to start on the slots ``decision`` leaves free."""
+        grown, taken = ((decision.num_workers - state.num_workers, decision.from_spares)
+                        if isinstance(decision, Resize) else (0, 0))
+        slots_left = state.num_placeable - (grown - taken)
+        return max(0, min(slots_left, self.spare_workers - (state.num_spares - taken)))
+
+    def spares_to_take(self, *, num_workers: int, num_spares_ready: int) -> int:
+        """After a failure: ready spares that bring the group back towards max_workers at once."""
+        return max(0, min(num_spares_ready, self.max_workers - num_workers))
 
 
 def workers_missing(*, min_workers: int, num_workers: int) -> int:

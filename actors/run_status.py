@@ -15,6 +15,7 @@ EventType = Literal[
     "worker_failed",          # died, hung, or raised (``traceback``); ``reason``
     "worker_joined",          # a joiner came in at a step boundary
     "worker_left",            # a drained worker left at a step boundary
+    "spares_taken",           # idle spares come in at the next boundary; ``workers``, ``reason``
     "node_draining",          # Ray drains a node of the run (a preemption notice); ``deadline_s``, ``workers``
     "node_drain_cancelled",   # the drain was called off before the boundary: its workers stay
     "drained",                # a draining node's workers left at a step boundary; ``steps_lost`` (0)

@@ -105,19 +105,21 @@ class WorkerGroup:
         return [m.name for m in self.membership.members]
 
     # -- placement and membership ---------------------------------------------------------------------------
-    def place(self, *, max_workers: int, min_workers: int, timeout_s: float) -> list[LostWorker]:
-        """Start up to ``max_workers`` (waiting up to ``timeout_s`` for ``min_workers`` slots) and wait until
-        each has built its workload, so the first rendezvous does not time out on a slow node's worker.
-        Returns those that died or did not start in time (dropped); raises MemberRaised when one could not
-        build the workload."""
-        slots = self.membership.slots
-        slots.request(max_workers)
-        taken = slots.take_ready(max_workers, at_least=min_workers, timeout_s=timeout_s)
-        if len(taken) < max_workers:  # slots placed together become ready a moment apart
-            taken += slots.take_ready(max_workers - len(taken), at_least=max_workers - len(taken),
-                                      timeout_s=START_GRACE_S)
-        members = self.membership.spawn(taken)
+    def place(self, *, max_workers: int, min_workers: int, timeout_s: float,
+              spare_workers: int = 0) -> list[LostWorker]:
+        """Start up to ``max_workers`` (waiting up to ``timeout_s`` for ``min_workers`` slots) and, beside them,
+        up to ``spare_workers`` spares (others start as their slots become ready). Waits until each member has
+        built its workload, so the first rendezvous does not time out on a slow node's worker. Returns those
+        that died or did not start in time (dropped); raises MemberRaised when one could not build the
+        workload."""
+        slots, wanted = self.membership.slots, max_workers + spare_workers
+        slots.request(wanted)
+        taken = slots.take_ready(wanted, at_least=min_workers, timeout_s=timeout_s)
+        if len(taken) < wanted:  # slots placed together become ready a moment apart
+            taken += slots.take_ready(wanted - len(taken), at_least=wanted - len(taken), timeout_s=START_GRACE_S)
+        members = self.membership.spawn(taken[:max_workers])
         self.membership.admit(members)
+        self.membership.spares += self.membership.spawn(taken[max_workers:])  # they build while the members do
         ray.wait([m.ready for m in members], num_returns=len(members), timeout=timeout_s)
         lost = []
         for member in members:
@@ -144,6 +146,18 @@ class WorkerGroup:
     @property
     def num_joining(self) -> int:
         return len(self.membership.joining)
+
+    @property
+    def num_spares_ready(self) -> int:
+        return len(self.membership.ready_spares())
+
+    def add_spares(self, count: int) -> None:
+        """Start ``count`` spares on slots ready now: they build their workload and wait, idle."""
+        self.membership.add_spares(count)
+
+    def promote_spares(self, count: int) -> int:
+        """Up to ``count`` constructed spares become joiners, ready to come in at once; returns how many."""
+        return len(self.membership.promote_spares(count))
 
     def wait_for_joiners(self, timeout_s: float) -> None:
         self.membership.wait_for_joiners(timeout_s)
@@ -275,7 +289,9 @@ class WorkerGroup:
                            errors_for_s=self._poller.errors_for_s(), num_joining=self.num_joining,
                            num_placeable=self.membership.slots.count_ready(),
                            num_joiners_ready=len(self.membership.ready_joiners()),
-                           draining=bool(self.membership.draining), draining_nodes=self._read_notices())
+                           draining=bool(self.membership.draining), draining_nodes=self._read_notices(),
+                           num_spares=len(self.membership.spares),
+                           num_spares_ready=len(self.membership.ready_spares()))
 
     def _read_notices(self) -> dict[str, float | None]:
         if time.monotonic() - self._notices_read_at >= NOTICE_POLL_S:

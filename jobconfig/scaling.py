@@ -24,6 +24,10 @@ class ScalingConfig:
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     """Further Ray resources each worker reserves, e.g. {"worker_slot": 1} or {"accelerator_type:A100": 0.01}.
     Not CPU or GPU: those are cpus_per_worker and use_gpu (Ray takes them apart from custom resources)."""
+    spare_workers: int = 0
+    """Workers kept started and idle (workload, data and model built), each in a slot of its own: a failure or a
+    scale-up takes one at the next step boundary instead of starting a process, and a new spare starts
+    behind it."""
     placement_timeout_s: float = 120.0
     """How long to wait for min_workers to be placed, at the start and after failures, before failing; in
     [10 s, a day]. Waiting after a failure includes starting the replacement (a process importing torch
@@ -46,6 +50,8 @@ class ScalingConfig:
             if name in self.resources_per_worker:
                 raise ValueError(f"scaling.resources_per_worker cannot reserve {name}: use {instead} instead, got "
                                  f"{self.resources_per_worker!r}")
+        require(is_non_negative_int(self.spare_workers), "scaling.spare_workers", "an integer >= 0",
+                self.spare_workers)
         require_seconds(self.placement_timeout_s, "scaling.placement_timeout_s", low=10)
 
 

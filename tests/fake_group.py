@@ -25,13 +25,16 @@ from strategies.checkpoint import CheckpointManifest, write_manifest
 
 
 class FakeGroup:
-    def __init__(self, workers: int = 2, *, placeable: int | None = None, spares: int = 0,
+    def __init__(self, workers: int = 2, *, placeable: int | None = None, free_slots: int = 0, idle_spares: int = 0,
                  checkpoint_root: Path | None = None, config_hash: str = "", replicated: bool = True) -> None:
-        """``placeable``: how many of the first workers start (default all); ``spares``: workers a later
-        ``add_joiners`` can start; ``replicated``: members keep their state across a join (else step 0)."""
+        """``placeable``: how many of the first workers start (default all); ``free_slots``: workers a later
+        ``add_joiners`` or ``add_spares`` can start; ``idle_spares``: warm spares started with the group;
+        ``replicated``: members keep their state across a join (else step 0)."""
         self.members = [f"w{i}" for i in range(workers)]
         self.placeable = workers if placeable is None else placeable
-        self.spares = spares
+        self.free_slots = free_slots
+        self.idle: list[str] = [f"spare{i}" for i in range(idle_spares)]
+        """Warm spares, constructed and idle."""
         self.ready: list[str] = []
         self.draining: set[str] = set()
         self.generation = -1
@@ -80,7 +83,8 @@ class FakeGroup:
     num_joining = 0
     """Joiners are ready as soon as they are started."""
 
-    def place(self, *, max_workers: int, min_workers: int, timeout_s: float) -> list[LostWorker]:
+    def place(self, *, max_workers: int, min_workers: int, timeout_s: float,
+              spare_workers: int = 0) -> list[LostWorker]:
         self._call("place")
         lost = [LostWorker(name, "not started within scaling.placement_timeout_s") for name in
                 self.members[self.placeable:]]
@@ -165,11 +169,27 @@ class FakeGroup:
         self.draining -= {name for name in self.members if self.nodes.get(name) == node_id}
 
     def add_joiners(self, count: int, *, timeout_s: float = 0.0) -> None:
-        started = min(count, self.spares)
-        self.spares -= started
+        started = min(count, self.free_slots)
+        self.free_slots -= started
         for _ in range(started):  # constructed at once
             self.ready.append(f"w{self._spawned}")
             self._spawned += 1
+
+    @property
+    def num_spares_ready(self) -> int:
+        return len(self.idle)
+
+    def add_spares(self, count: int) -> None:
+        started = min(count, self.free_slots)
+        self.free_slots -= started
+        for _ in range(started):
+            self.idle.append(f"w{self._spawned}")
+            self._spawned += 1
+
+    def promote_spares(self, count: int) -> int:
+        promoted, self.idle = self.idle[:count], self.idle[count:]
+        self.ready += promoted
+        return len(promoted)
 
     def wait_for_joiners(self, timeout_s: float) -> None:
         self.calls.append("wait_for_joiners")
@@ -199,6 +219,7 @@ class FakeGroup:
                            members=tuple(MemberStatus(name, phase=self.phase.get(name, "training"),
                                                       node_id=self.nodes.get(name, "")) for name in self.members),
                            num_joiners_ready=len(self.ready), draining=bool(self.draining),
+                           num_spares=len(self.idle), num_spares_ready=len(self.idle), num_placeable=self.free_slots,
                            draining_nodes=dict(self.draining_nodes))
 
     def _save(self) -> str:

@@ -135,7 +135,7 @@ def test_sharded_generation_without_a_checkpoint_starts_from_the_seed(tmp_path):
 
 
 def test_a_ready_joiner_stops_the_group_at_a_boundary_and_comes_in(tmp_path):
-    run, group = controller(tmp_path, "scaling.max_workers=3", spares=1)
+    run, group = controller(tmp_path, "scaling.max_workers=3", free_slots=1)
     run.state = Forming()
     run.advance()
     group.on_poll(lambda status: dataclasses.replace(status, num_placeable=1))  # a slot became ready
@@ -192,7 +192,7 @@ def test_a_drain_called_off_before_the_boundary_keeps_the_workers(tmp_path):
 
 
 def test_a_drain_below_min_workers_waits_for_replacements(tmp_path):
-    run, group = controller(tmp_path, "scaling.min_workers=2", workers=2, spares=1)
+    run, group = controller(tmp_path, "scaling.min_workers=2", workers=2, free_slots=1)
     group.nodes = {"w0": "head", "w1": "spot"}
     run.state = Forming()
     run.advance()
@@ -254,8 +254,32 @@ def test_silent_or_hung_members_are_lost(tmp_path, change, reason):
     assert recovering.lost == (LostWorker("w0", reason, 0),)
 
 
+def test_a_failure_takes_a_warm_spare_at_once_and_a_new_spare_starts_behind_it(tmp_path):
+    run, group = controller(tmp_path, "scaling.min_workers=2", "scaling.spare_workers=1", idle_spares=1)
+    run.state = Forming()
+    run.advance()
+    group.on_poll(lambda status: with_member(status, "w1", dead="actor died"))
+    run.advance()
+    assert isinstance(run.advance(), Forming) and group.member_names == ["w0", "spare0"]  # no waiting
+    assert events(run, "spares_taken")[0] | {"workers": 1, "reason": "failure"} == events(run, "spares_taken")[0]
+    group.free_slots = 1  # the failed worker's slot is placed again
+    run.advance()
+    run.advance()  # the generation trains; its first poll starts a spare on the free slot
+    assert group.idle == ["w2"] and group.member_names == ["w0", "spare0"]  # the new spare waits, idle
+    assert states_until_end(run)[-1] == "finished"
+
+
+def test_a_scale_up_takes_a_ready_spare_at_the_next_boundary(tmp_path):
+    run, group = controller(tmp_path, "scaling.max_workers=3", "scaling.spare_workers=1", idle_spares=1)
+    run.state = Forming()
+    run.advance()
+    assert isinstance(run.advance(), Resizing)  # the spare was asked in at once
+    assert isinstance(run.advance(), Forming) and group.member_names == ["w0", "w1", "spare0"]
+    assert events(run, "spares_taken")[0]["reason"] == "scale-up"
+
+
 def test_below_min_workers_the_run_waits_then_forms_with_a_replacement(tmp_path):
-    run, group = controller(tmp_path, "scaling.min_workers=2", spares=1)
+    run, group = controller(tmp_path, "scaling.min_workers=2", free_slots=1)
     run.state = Running()
     group.on_poll(lambda status: with_member(status, "w1", dead="actor died"))
     run.advance()

@@ -213,3 +213,16 @@ def test_below_min_workers_the_run_waits_for_a_replacement(tmp_path, reference):
     types = event_types(result)
     assert types.index("waiting_for_resources") < types.index("worker_joined") < types.index("recovered")
     assert {row["world_size"] for row in result.history} == {3}
+
+
+def test_a_warm_spare_replaces_a_killed_worker_without_waiting(tmp_path, reference):
+    result, state = run_disturbed(tmp_path, "spare", "scaling.min_workers=3", "scaling.spare_workers=1",
+                                  "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.4}",
+                                  "faults=[{action: kill, rank: 0, step: 12}]")  # the spare is built by then
+    assert_same_as_reference(result, state, reference)
+    types = event_types(result)
+    assert "waiting_for_resources" not in types and types.count("worker_failed") == 1
+    taken = [e for e in result.events if e.type == "spares_taken"]
+    assert [(e.details["reason"], e.details["workers"]) for e in taken] == [("failure", 1)]
+    assert types.index("spares_taken") < types.index("recovered")
+    assert {row["world_size"] for row in result.history} == {3}

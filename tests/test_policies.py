@@ -95,6 +95,23 @@ def test_max_failures_zero_raises_on_the_first():
     assert isinstance(FailurePolicy(max_failures=0).decide(failures_so_far=1), Raise)
 
 
+@pytest.mark.parametrize(("state", "decision", "new_spares"), [
+    (ScalingState(2, 0, num_spares_ready=1, num_spares=1), Noop(), 0),                  # at max: the spare waits
+    (ScalingState(2, 1, num_spares_ready=0, num_spares=0), Noop(), 1),                  # a free slot: a new spare
+    (ScalingState(1, 1, num_spares_ready=1, num_spares=1), Resize(2, from_spares=1), 1),  # spare in, slot for a new
+    (ScalingState(1, 0, num_spares_ready=0, num_spares=1), Noop(), 0),                  # the spare still starts
+])
+def test_scaling_with_spares(state, decision, new_spares):
+    policy = ScalingPolicy(min_workers=1, max_workers=2, spare_workers=1)
+    assert policy.decide(state) == decision
+    assert policy.spares_to_start(state, decision) == new_spares
+
+
+def test_spares_taken_after_a_failure_fill_up_to_max():
+    policy = ScalingPolicy(min_workers=1, max_workers=4, spare_workers=2)
+    assert [policy.spares_to_take(num_workers=n, num_spares_ready=2) for n in (1, 2, 3, 4)] == [2, 2, 1, 0]
+
+
 def test_workers_missing():
     assert [workers_missing(min_workers=2, num_workers=n) for n in range(4)] == [2, 1, 0, 0]
 
