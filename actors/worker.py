@@ -1,14 +1,15 @@
 """TrainWorker: one Ray actor per GPU or CPU slot, training in a thread of its own.
 
 The actor outlives process-group generations: the Controller tells it to join generation g,
-to hand over or receive state (in memory for replicated strategies, from a checkpoint for
-sharded ones), and to train up to a step. Training runs in a thread so the actor keeps
-answering ``poll`` while it trains.
+to hand over or receive state (in memory: from the most advanced rank for replicated strategies,
+from the ranks' kept shards for sharded ones; or from a checkpoint), and to train up to a step.
+Training runs in a thread so the actor keeps answering ``poll`` while it trains.
 
 Lifecycle (each call from the Controller, on every member together)::
 
-    worker.join(assignment)            -> JoinReport(step=committed steps, ...)
+    worker.join(assignment)            -> JoinReport(step=committed steps, ..., shard_copy=what it kept)
     worker.sync_state(source_rank)     replicated state: the most advanced rank's goes to all
+    worker.restore_from_peers(plan)    sharded state: from the shards the members kept (strategies/peer_restore.py)
     worker.restore(path | None)        sharded state: from a checkpoint (None: a fresh start)
     worker.train(until_step, faults)   starts the loop thread; returns at once
     worker.poll(wait_s, seen)          -> WorkerStatus(phase, step, new StepResults, events, error)
@@ -51,7 +52,9 @@ from jobconfig import (
 from strategies import build_strategy
 from strategies.base import GroupContext, TrainState, init_optimizer_state, load_scaler, memory_breakdown
 from strategies.checkpoint import Checkpointer, load_into
+from strategies.peer_restore import PeerRestorePlan, ShardCopy
 from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group
+from strategies.shard_copy import KeptShards, gather_shards, keep_shards, load_full_state
 from strategies.state_transfer import broadcast_training_state
 from workloads import load_workload
 
@@ -83,6 +86,9 @@ class JoinReport:
     step: int
     """Committed optimizer steps this worker holds (its candidate state for the hand-over). A worker whose
     state a hand-over left half-received has rebuilt it from the seed: 0."""
+    shard_copy: ShardCopy | None = None
+    """Sharded strategies: the shard of an earlier generation's state this worker keeps in memory, for
+    ``plan_peer_restore``; None when it keeps none (a new worker, a replicated strategy, step 0)."""
 
 
 class TrainWorker:
@@ -118,6 +124,11 @@ class TrainWorker:
         self.checkpoint_group: dist.ProcessGroup | None = None
         self._state_intact = True
         """False while (and after) a hand-over into this worker's state is incomplete."""
+        self._generation: int | None = None
+        self._kept: KeptShards | None = None
+        """Sharded strategies: this worker's CPU copy of its shard of an earlier generation's state."""
+        self._holds_run_state = False
+        """Sharded strategies: the live state is the run's (restored, or trained), so the next join keeps it."""
         gc.freeze()  # the collection at every new generation then only walks what came after (~0.4 s less)
 
     def pid(self) -> int:
@@ -129,6 +140,7 @@ class TrainWorker:
         self.loop.leave(collective_timeout_s=assignment.timeout_s)
         self.saver.detach()
         self.status.drop_results()  # step results the Controller did not take before the last generation ended
+        self._keep_shards()
         keep = self.strategy.replicated and self.state is not None and self._state_intact
         previous = self.state.kept_across_groups() if keep else None
         if self.strategy.replicated and not self._state_intact:  # rebuilt from the seed below: a valid step-0 state
@@ -136,6 +148,7 @@ class TrainWorker:
         self.state, self.checkpoint_group = None, None
         gc.collect()  # the old DDP's reducer, its autograd hooks and its hold on the old group must be gone
         join_group(assignment, self.backend)
+        self._generation = assignment.generation
         self.checkpoint_group = dist.new_group(backend="gloo")  # async saves must not share the training group
         node_ids: list[str] = [""] * assignment.world_size
         dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id(), group=self.checkpoint_group)
@@ -150,7 +163,20 @@ class TrainWorker:
             self.status.step = 0
         self.status.set_phase("idle")
         self.loop.forget_stop_request()
-        return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.status.step)
+        return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.status.step,
+                          shard_copy=self._kept.copy if self._kept is not None else None)
+
+    def _keep_shards(self) -> None:
+        """Sharded strategies, before the state goes: keep this rank's shard of it in CPU memory. A state that is
+        not the run's (a join, then no restore) leaves the copy made before it, which is still the run's."""
+        if self.strategy.replicated or self.state is None or not self._holds_run_state:
+            return
+        self._kept, self._holds_run_state = None, False  # an older copy goes before the new one is made
+        try:
+            self._kept = keep_shards(self.strategy, self.state, self.runner.scaler, generation=self._generation,
+                                     step=self.status.step)
+        except Exception:  # noqa: BLE001 - a copy spares a checkpoint load; failing to make one must not end the run
+            logger.warning("no copy of this rank's shard is kept for the next generation", exc_info=True)
 
     def sync_state(self, source_rank: int) -> int:
         """Replicated strategies: receive (or send, on ``source_rank``) model, optimizer and step. A receiver
@@ -173,7 +199,23 @@ class TrainWorker:
             self.strategy.load_state_dict(self.state, flat)
             load_scaler(self.runner.scaler, path, group=self.checkpoint_group)
         self.status.step = step
+        self._now_holds_run_state()
         return self.status.step
+
+    def restore_from_peers(self, plan: PeerRestorePlan) -> int:
+        """Collective, sharded strategies: rebuild the state of ``plan`` (``plan_peer_restore`` of the members'
+        JoinReports) from the shards the members kept, resharded to this group; no file is read. Each shard is
+        broadcast by its sender over the generation's gloo group; every rank holds the whole state in CPU
+        memory meanwhile. Returns the step. A restore cut short leaves the kept copy for the next generation."""
+        full = gather_shards(self._kept, plan, group=self.checkpoint_group)
+        load_full_state(self.strategy, self.state, self.runner.scaler, full)
+        self.status.step = plan.step
+        self._now_holds_run_state()
+        return self.status.step
+
+    def _now_holds_run_state(self) -> None:
+        """The live state is the run's from now on: a copy kept from an earlier generation is obsolete."""
+        self._kept, self._holds_run_state = None, True
 
     def train(self, until_step: int, faults: tuple[FaultConfig, ...] = ()) -> None:
         """Start the step loop in a thread; it runs until ``until_step``, a stop vote, or an error.
@@ -181,6 +223,7 @@ class TrainWorker:
         ``faults`` are the injected faults aimed at this worker's rank in this generation.
         """
         injector = FaultInjector(faults, on_ray_kill=functools.partial(self.status.set_phase, "awaiting_kill"))
+        self._now_holds_run_state()
         self.loop.start(self.state, until_step, injector)
 
     def request_stop(self) -> None:

@@ -39,6 +39,12 @@ class StrategyConfig:
     """Full-precision steps before 1-bit compression starts, so the optimizer's variance estimates settle
     first (1-bit Adam's warm-up); the default keeps digits within a point of uncompressed accuracy
     (tests/test_communication.py)."""
+    replicas: int = 1
+    """zero1/zero2/zero3: copies of the sharded state kept in memory (HSDP: the ranks form ``replicas`` groups,
+    each sharding the state over its members, and gradients are averaged over every rank). A worker's loss
+    is then recovered from a surviving copy instead of a checkpoint, at the cost of ``replicas`` times the
+    sharded state's memory. A generation whose world size it does not divide keeps the largest count that
+    does and is at most this (world size 3 with 2: one copy; strategies/shard_layout.py)."""
     hierarchical: bool = False
     """ddp: reduce inside each node, all-reduce among one leader per node, broadcast back (node
     membership from Ray's node ids, re-derived at every generation). Not combinable with compression."""
@@ -71,5 +77,9 @@ class StrategyConfig:
                 "a number in (0, 1]", self.topk_fraction)
         require(is_non_negative_int(self.onebit_warmup_steps), "strategy.onebit_warmup_steps",
                 "a non-negative integer", self.onebit_warmup_steps)
+        require(is_positive_int(self.replicas), "strategy.replicas", "a positive integer", self.replicas)
+        if self.replicas > 1 and self.name not in ("zero1", "zero2", "zero3"):
+            raise ValueError(f"strategy.replicas > 1 needs strategy.name zero1, zero2 or zero3 (ddp's state is "
+                             f"replicated on every worker already), got replicas={self.replicas} with {self.name!r}")
         if self.offload and self.name not in ("zero2", "zero3"):
             raise ValueError(f"strategy.offload needs strategy.name zero2 or zero3, got {self.name!r}")

@@ -19,7 +19,8 @@ def build_strategy(config: StrategyConfig) -> Strategy:
                            compression_options=options, hierarchical=config.hierarchical,
                            comm_timing=config.comm_timing)
     if config.name == "zero1":
-        return Zero1Strategy(bucket_cap_mb=config.bucket_cap_mb)
+        return Zero1Strategy(bucket_cap_mb=config.bucket_cap_mb, replicas=config.replicas)
     if config.name in ("zero2", "zero3"):
-        return FSDPStrategy(name=config.name, reshard_after_forward=config.name == "zero3", offload=config.offload)
+        return FSDPStrategy(name=config.name, reshard_after_forward=config.name == "zero3", offload=config.offload,
+                            replicas=config.replicas)
     raise ValueError(f"strategy.name={config.name!r} is not implemented")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from strategies.checkpoint import load_into
+from strategies.shard_layout import ShardLayout
 
 ModelFactory = Callable[[], torch.nn.Module]
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -75,6 +76,8 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     comm: CommInstruments | None = None
     """Set for a DDP at world size > 1; its timer only with strategy.comm_timing."""
+    layout: ShardLayout | None = None
+    """Sharded strategies: which shard of the state this rank holds, and how many copies there are."""
 
     def kept_across_groups(self) -> TrainState:
         """The model and optimizer alone: what a replicated strategy carries into the next group.
@@ -92,7 +95,8 @@ class Strategy(Protocol):
     name: str
     replicated: bool
     """True when every rank holds the full model and optimizer state, so a survivor can hand it
-    over in memory; False when state is sharded and a lost shard must come from a checkpoint."""
+    over in memory; False when state is sharded and a lost shard must come from a surviving copy
+    (strategy.replicas, strategies/peer_restore.py) or a checkpoint."""
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
               previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
@@ -173,5 +177,12 @@ def load_scaler(scaler: torch.amp.GradScaler | None, directory: str, group: dist
         return
     entries = scaler_entries(scaler)
     load_into(entries, directory, group, partial=True)
+    set_scaler(scaler, entries)
+
+
+def set_scaler(scaler: torch.amp.GradScaler | None, entries: dict[str, torch.Tensor]) -> None:
+    """Put ``scaler_entries`` (a checkpoint's, a peer's) back into ``scaler``; without them it stays as it is."""
+    if scaler is None or "scaler.scale" not in entries:
+        return
     scaler.load_state_dict({**scaler.state_dict(), "scale": entries["scaler.scale"].item(),
                             "_growth_tracker": int(entries["scaler.growth_tracker"].item())})

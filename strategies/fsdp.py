@@ -9,6 +9,11 @@ the root. FSDP2 averages gradients over ranks like DDP, so the step loop's loss 
 same. On GPUs, DTensor collectives use NCCL; FSDP2's CPU offload (``offload``) keeps parameters
 and optimizer state in host memory.
 
+With ``replicas`` R > 1 it is HSDP (hybrid sharding, Zhao et al. 2023, "PyTorch FSDP"): a 2-D mesh of
+R replica groups, each sharding the state over its W/R ranks (strategies/shard_layout.py). FSDP2
+reduce-scatters gradients inside a replica group and all-reduces the shards across the groups, still
+the mean over every rank, so the math is the one at R = 1; R copies of each shard survive in memory.
+
 Each generation's mesh is new in two ways DTensor's caches make necessary (see ``generation_mesh``
 and ``release_group_with``): it equals no earlier mesh of the process, and it
 lets go of its process group when the model it was made for is freed.
@@ -17,6 +22,7 @@ lets go of its process group when the model it was made for is freed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -31,7 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
+from strategies.shard_layout import ShardLayout, effective_replicas
 
+logger = logging.getLogger(__name__)
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -41,12 +49,16 @@ class FSDPStrategy:
     offload: bool = False
     name: str = "zero3"
     replicated: bool = False
+    replicas: int = 1
+    """strategy.replicas: HSDP with this many copies where it divides the world size (``effective_replicas``)."""
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
               previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
         """A fresh model sharded over the current group: sharded state cannot outlive its group."""
         model = build_model()
-        mesh = generation_mesh(device)
+        layout = ShardLayout(world_size=dist.get_world_size(), replicas=replicas_for_group(self.replicas),
+                             rank=dist.get_rank())
+        mesh = generation_mesh(device, layout.replicas)
         options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                                        offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
         for child in _units(model):
@@ -55,7 +67,7 @@ class FSDPStrategy:
         release_group_with(model, mesh)
         optimizer = build_optimizer(model)
         require_elementwise(optimizer, self.name)
-        return TrainState(model=model, wrapped=model, optimizer=optimizer)
+        return TrainState(model=model, wrapped=model, optimizer=optimizer, layout=layout)
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return _without_gradient_sync(state.model)
@@ -73,8 +85,10 @@ class FSDPStrategy:
                        options=_OPTIONS)
 
 
-def generation_mesh(device: torch.device) -> DeviceMesh:
-    """A 1-D mesh over the current group, equal to no mesh this process made before.
+def generation_mesh(device: torch.device, replicas: int = 1) -> DeviceMesh:
+    """A mesh over the current group, equal to no mesh this process made before: 1-D (dim "shard-<tag>")
+    with one copy, else 2-D ``(replicas, world_size // replicas)`` (dims "replicate-<tag>", "shard-<tag>"),
+    the layout of strategies/shard_layout.py. ``replicas`` must divide the world size (``effective_replicas``).
 
     DeviceMesh equality and hash leave out this process's place in the mesh, and DTensor caches the
     output specs of its ops by mesh - ``nn.Parameter``'s ``detach`` in ``fully_shard``, a state dict's,
@@ -89,19 +103,35 @@ def generation_mesh(device: torch.device) -> DeviceMesh:
         fully_shard(model, mesh=mesh)
         release_group_with(model, mesh)
     """
-    name = f"shard-{uuid.uuid4().hex[:8]}"  # differs between ranks too, which nothing compares
-    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=(name,))
+    tag = uuid.uuid4().hex[:8]  # differs between ranks too, which nothing compares
+    world_size = dist.get_world_size()
+    if replicas == 1:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=(f"shard-{tag}",))
+    assert world_size % replicas == 0, (world_size, replicas)
+    return init_device_mesh(device.type, (replicas, world_size // replicas),
+                            mesh_dim_names=(f"replicate-{tag}", f"shard-{tag}"))
+
+
+def replicas_for_group(replicas: int) -> int:
+    """The copies the current group keeps of the sharded state (``effective_replicas``), with a warning when
+    that is fewer than strategy.replicas asks for."""
+    world_size = dist.get_world_size()
+    effective = effective_replicas(replicas, world_size)
+    if effective < replicas and dist.get_rank() == 0:
+        logger.warning("strategy.replicas=%d at world size %d: %d cop%s of the sharded state (the copies must "
+                       "split the ranks evenly)", replicas, world_size, effective, "y" if effective == 1 else "ies")
+    return effective
 
 
 def release_group_with(owner: object, mesh: DeviceMesh) -> None:
     """Once ``owner`` (what holds ``mesh`` for a generation: the model) is freed, ``mesh`` no longer holds
     its process group.
 
-    The mesh holds it for torch.compile only (collectives look a group up by name), and DTensor's caches
-    keep meshes alive long after the state they were made for. A destroyed gloo group that is still held
-    keeps its connections open, so a rank blocked in one of its collectives - one not next to a lost
-    peer in gloo's ring - would wait out failure.collective_timeout_s instead of failing when the
-    survivors leave the group.
+    The mesh (a 2-D one's root also holds its dimensions' groups) holds it for torch.compile only
+    (collectives look a group up by name), and DTensor's caches keep meshes alive long after the state
+    they were made for. A destroyed gloo group that is still held keeps its connections open, so a rank
+    blocked in one of its collectives - one not next to a lost peer in gloo's ring - would wait out
+    failure.collective_timeout_s instead of failing when the survivors leave the group.
     """
     weakref.finalize(owner, mesh._pg_registry.clear)
 

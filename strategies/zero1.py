@@ -7,6 +7,10 @@ full averaged gradient, so each updates only its chunk of each parameter - the o
 on DTensor "shard" views whose local tensors alias the model's own storage - and the updated
 chunks are all-gathered back into the full parameters.
 
+With ``replicas`` R > 1 the ranks form R replica groups (strategies/shard_layout.py): the state is
+split into W/R chunks, each kept by R ranks, and the all-gather runs inside a replica group. The R
+groups apply the same update to the same averaged gradient, so the math is the one at R = 1.
+
 The optimizer state is a DTensor sharded like FSDP2's, so its checkpoints load into zero2/zero3
 (and ddp) at any world size.
 """
@@ -24,7 +28,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
 from strategies.ddp import ddp_no_sync, wrap_ddp
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
-from strategies.fsdp import generation_mesh, release_group_with
+from strategies.fsdp import generation_mesh, release_group_with, replicas_for_group
+from strategies.shard_layout import ShardLayout, row_bounds
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -34,11 +39,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     their settings) kept, each parameter replaced by its shard before any state exists.
     """
 
-    def __init__(self, model: torch.nn.Module, build_optimizer: OptimizerFactory, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, build_optimizer: OptimizerFactory, device: torch.device,
+                 replicas: int = 1) -> None:
         self.full = [p for p in model.parameters() if p.requires_grad]
-        self.mesh = generation_mesh(device)  # see strategies/fsdp.py: DTensor's caches outlive a group
+        self.mesh = generation_mesh(device, replicas)  # see strategies/fsdp.py: DTensor's caches outlive a group
         release_group_with(self, self.mesh)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.layout = ShardLayout(world_size=dist.get_world_size(), replicas=replicas, rank=dist.get_rank())
+        self.shard, self.num_shards = self.layout.shard, self.layout.num_shards
+        self.group = self.mesh.get_group(self.mesh.ndim - 1)
+        """The ranks of this replica group: the chunks of one copy of the state."""
+        self.sharded = [Replicate()] * (self.mesh.ndim - 1) + [Shard(0)]
+        self.stepping = False
+        """True from the update of this rank's chunks until every chunk is gathered back: the parameters are
+        then a mix of two steps (a peer lost in the all-gather leaves them so)."""
         shard_of = {full: torch.nn.Parameter(self._shard_of(full.data)) for full in self.full}
         self.shards = list(shard_of.values())
         self.inner = build_optimizer(model)
@@ -67,26 +80,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         for full, shard in zip(self.full, self.shards, strict=True):
             shard.grad = self._shard_of(full.grad) if full.grad is not None else None
+        self.stepping = True
         self.inner.step()
         for full, shard in zip(self.full, self.shards, strict=True):
             self._all_gather_into(full.data, shard.to_local())
+        self.stepping = False
 
     def _shard_of(self, tensor: torch.Tensor) -> DTensor:
         if tensor.dim() == 0:  # a scalar cannot be split: every rank holds and updates it
-            return DTensor.from_local(tensor, self.mesh, [Replicate()], run_check=False)
-        chunks = torch.chunk(tensor, self.world_size, dim=0)
-        local = chunks[self.rank] if self.rank < len(chunks) else tensor.new_empty((0, *tensor.shape[1:]))
-        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=tensor.shape,
+            return DTensor.from_local(tensor, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        start, stop = row_bounds(tensor.shape[0], self.num_shards, self.shard)
+        return DTensor.from_local(tensor[start:stop], self.mesh, self.sharded, run_check=False, shape=tensor.shape,
                                   stride=tensor.stride())
 
     def _all_gather_into(self, full: torch.Tensor, local: torch.Tensor) -> None:
         if full.dim() == 0:
             return
-        width = -(-full.shape[0] // self.world_size)
+        width = -(-full.shape[0] // self.num_shards)
         padded = local.new_zeros((width, *full.shape[1:]))
         padded[: local.shape[0]] = local
-        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded)
+        gathered = [torch.empty_like(padded) for _ in range(self.num_shards)]
+        dist.all_gather(gathered, padded, group=self.group)
         full.copy_(torch.cat(gathered)[: full.shape[0]])
 
 
@@ -95,13 +109,16 @@ class Zero1Strategy:
     bucket_cap_mb: float = 25.0
     name: str = "zero1"
     replicated: bool = False
+    replicas: int = 1
+    """strategy.replicas: copies of the optimizer state where it divides the world size (``effective_replicas``)."""
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
               previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
         """Keeps the model (replicated); the optimizer's shards depend on the group, so it is rebuilt."""
         model = previous.model if previous is not None else build_model()
-        optimizer = ShardedOptimizer(model, build_optimizer, device)
-        return TrainState(model=model, wrapped=wrap_ddp(model, device, self.bucket_cap_mb), optimizer=optimizer)
+        optimizer = ShardedOptimizer(model, build_optimizer, device, replicas_for_group(self.replicas))
+        return TrainState(model=model, wrapped=wrap_ddp(model, device, self.bucket_cap_mb), optimizer=optimizer,
+                          layout=optimizer.layout)
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return ddp_no_sync(state.wrapped)

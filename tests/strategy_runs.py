@@ -23,9 +23,9 @@ GLOBAL_BATCH = 12
 OPTIMIZERS = {"adamw": OptimConfig(name="adamw", lr=1e-2), "sgd": OptimConfig(name="sgd", lr=0.2, momentum=0.9)}
 
 
-def setup(strategy_name: str, optimizer: str = "adamw"):
+def setup(strategy_name: str, optimizer: str = "adamw", replicas: int = 1):
     workload = load_workload(*WORKLOAD)
-    strategy = build_strategy(StrategyConfig(name=strategy_name))
+    strategy = build_strategy(StrategyConfig(name=strategy_name, replicas=replicas))
     torch.manual_seed(0)
     state = strategy.setup(workload.build_model, optimizer_factory(OPTIMIZERS[optimizer]), torch.device("cpu"),
                            None)
@@ -38,9 +38,9 @@ def setup(strategy_name: str, optimizer: str = "adamw"):
 
 
 def train_and_report(strategy_name: str, steps: int, checkpoint_root: str | None = None,
-                     optimizer: str = "adamw") -> dict[str, Any]:
+                     optimizer: str = "adamw", replicas: int = 1) -> dict[str, Any]:
     """Train ``steps`` steps; optionally checkpoint; return the full (gathered) canonical state."""
-    strategy, state, runner = setup(strategy_name, optimizer)
+    strategy, state, runner = setup(strategy_name, optimizer, replicas)
     for step in range(steps):
         runner.run(state, step)
     if checkpoint_root is not None:

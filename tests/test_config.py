@@ -62,6 +62,12 @@ BAD_OVERRIDES = [
     pytest.param(["strategy.comm_timing=maybe"], ["strategy.comm_timing", "true or false"], id="comm-timing-not-bool"),
     pytest.param(["strategy.name=zero1", "strategy.comm_timing=true"], ["strategy.comm_timing", "ddp only"],
                  id="comm-timing-not-ddp"),
+    pytest.param(["strategy.name=zero3", "strategy.replicas=0"], ["strategy.replicas", "positive integer"],
+                 id="replicas-zero"),
+    pytest.param(["strategy.name=zero3", "strategy.replicas=2.0"], ["strategy.replicas", "positive integer"],
+                 id="replicas-float"),
+    pytest.param(["strategy.replicas=2"], ["strategy.replicas > 1", "zero1, zero2 or zero3", "'ddp'"],
+                 id="replicas-with-ddp"),
     *[pytest.param([f"strategy.{key}={value}"], [f"strategy.{key}", allowed], id=f"{key}-{value}")
       for key, value, allowed in (("powersgd_rank", 0, "positive integer"), ("powersgd_rank", 2.0, "positive integer"),
                                   ("powersgd_start_iter", 1, ">= 2"), ("topk_fraction", 0, "(0, 1]"),
@@ -245,6 +251,11 @@ def test_math_hash_changes_with_what_decides_the_parameters(override):
                                       "checkpoint.every_steps=5"])
 def test_math_hash_ignores_length_and_scaling(override):
     assert _hash(override) == _hash()
+
+
+def test_replicas_are_for_sharded_strategies_and_leave_the_math_alone():
+    assert load_job_config(None, ["strategy.name=zero1", "strategy.replicas=3"]).strategy.replicas == 3
+    assert _hash("strategy.name=zero3", "strategy.replicas=2") == _hash("strategy.name=zero3")
 
 
 def test_math_hash_same_for_int_and_float_spelling():

@@ -1,0 +1,123 @@
+"""Sharded state with strategy.replicas copies (HSDP, issue 18) on local gloo groups, no Ray.
+
+The math at R = 2 is the math at R = 1 (gradients averaged over every rank); a checkpoint saved with
+two copies loads at another layout; and the shards the ranks keep when they leave a generation rebuild
+the whole state in a smaller or equal group, at any stage and replica count, without a file.
+
+    python -m pytest tests/test_hsdp.py -q     # about 35 s on 2 cores
+"""
+
+from __future__ import annotations
+
+import gc
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from strategies.base import memory_breakdown
+from strategies.checkpoint import complete_checkpoints
+from strategies.peer_restore import plan_peer_restore
+from strategies.process_group import leave_group
+from strategies.shard_copy import gather_shards, keep_shards, load_full_state
+from tests.distributed_harness import run_distributed
+from tests.strategy_runs import restore_and_report, setup, train_and_report
+
+STEPS = 3
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_two_copies_train_as_one(strategy):
+    one = run_distributed(train_and_report, 4, strategy, STEPS, None, "adamw", 1, timeout_s=120)[0]
+    two = run_distributed(train_and_report, 4, strategy, STEPS, None, "adamw", 2, timeout_s=120)[0]
+    assert one.keys() == two.keys() and any(key.startswith("optim.state.") for key in one)
+    for key in one:  # Adam's noise on near-zero gradients: see tests/test_zero.py's ABSOLUTE_TOLERANCE
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+def _held(settings: list[tuple[str, int]]) -> list[tuple[int, dict[str, int]]]:
+    """For each (strategy, replicas): this rank's shard count and bytes held after one step."""
+    held = []
+    for name, replicas in settings:
+        strategy, state, runner = setup(name, "adamw", replicas)
+        runner.run(state, 0)
+        held.append((state.layout.num_shards, memory_breakdown(state)))
+        del strategy, state, runner
+        gc.collect()
+    return held
+
+
+def test_two_copies_hold_twice_the_sharded_state_per_rank():
+    settings = [("zero1", 1), ("zero1", 2), ("zero3", 1), ("zero3", 2)]
+    (zero1_one, zero1_two, zero3_one, zero3_two) = run_distributed(_held, 4, settings, timeout_s=120)[0]
+    assert [zero1_one[0], zero1_two[0], zero3_one[0], zero3_two[0]] == [4, 2, 4, 2]
+    assert zero1_two[1]["optimizer"] > 1.5 * zero1_one[1]["optimizer"]
+    assert zero1_two[1]["parameters"] == zero1_one[1]["parameters"]  # zero1: every rank holds the whole model
+    for kind in ("parameters", "optimizer"):
+        assert zero3_two[1][kind] > 1.5 * zero3_one[1][kind], kind
+
+
+def test_a_checkpoint_saved_with_two_copies_loads_exactly_at_three_ranks(tmp_path):
+    saved = run_distributed(train_and_report, 4, "zero3", STEPS, str(tmp_path), "adamw", 2, timeout_s=120)[0]
+    loaded = run_distributed(restore_and_report, 3, "zero2", complete_checkpoints(str(tmp_path))[-1].path)[0]
+    assert loaded.keys() == saved.keys()
+    for key in saved:
+        assert torch.equal(loaded[key], saved[key]), key
+
+
+def _restore_in_survivors(store_dir: str, before: tuple[str, int], after: tuple[str, int], lost: tuple[int, ...]):
+    """Train ``before`` (strategy, replicas) on every rank and keep the shards, as TrainWorker.join does; the
+    ranks not ``lost`` form a new group, plan, and restore into ``after``. Returns (whole state before, whole
+    state after, plan) on the survivors."""
+    strategy, state, runner = setup(before[0], "adamw", before[1])
+    for step in range(STEPS):
+        runner.run(state, step)
+    before_state = _whole(strategy, state)
+    kept = keep_shards(strategy, state, None, generation=0, step=STEPS)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    del state, runner
+    gc.collect()
+    leave_group()
+    survivors = [r for r in range(world_size) if r not in lost]
+    if rank in lost:
+        return None
+    dist.init_process_group("gloo", store=dist.FileStore(f"{store_dir}/generation1", len(survivors)),
+                            rank=survivors.index(rank), world_size=len(survivors), timeout=timedelta(seconds=60))
+    copies = [None] * len(survivors)
+    dist.all_gather_object(copies, kept.copy)  # what the Controller reads from the JoinReports
+    plan = plan_peer_restore(copies)
+    if plan is None:
+        return before_state, None, None
+    strategy, state, _ = setup(after[0], "adamw", after[1])
+    load_full_state(strategy, state, None, gather_shards(kept, plan))
+    return before_state, _whole(strategy, state), plan
+
+
+def _whole(strategy, state) -> dict[str, torch.Tensor]:
+    """The whole canonical state, on every rank (collective)."""
+    return {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+            for key, value in strategy.state_dict(state).items()}
+
+
+@pytest.mark.parametrize(("before", "after", "lost", "senders"), [
+    pytest.param(("zero3", 2), ("zero3", 2), (1,), (0, 2), id="zero3-4to3"),  # 3 ranks: one copy left
+    pytest.param(("zero2", 2), ("zero2", 2), (1, 2), (0, 1), id="zero2-4to2"),  # 2 copies of 1 shard: whole
+    pytest.param(("zero1", 2), ("zero1", 2), (0,), (1, 0), id="zero1-4to3"),
+    pytest.param(("zero3", 1), ("zero1", 1), (), (0, 1, 2, 3), id="zero3-to-zero1-at-4"),  # nobody lost
+    pytest.param(("zero3", 2), ("zero2", 1), (0,), (1, 0), id="zero3-to-zero2-4to3"),
+])
+def test_kept_shards_rebuild_the_state_in_the_survivors(tmp_path, before, after, lost, senders):
+    results = run_distributed(_restore_in_survivors, 4, str(tmp_path), before, after, lost, timeout_s=120)
+    for rank in sorted(set(range(4)) - set(lost)):
+        expected, restored, plan = results[rank]
+        assert plan is not None and plan.senders == senders and plan.step == STEPS
+        assert restored.keys() == expected.keys() and any(key.startswith("optim.state.") for key in expected)
+        for key in expected:
+            assert torch.equal(restored[key], expected[key]), f"rank {rank}: {key}"
+
+
+def test_no_plan_when_both_copies_of_a_shard_are_lost(tmp_path):
+    results = run_distributed(_restore_in_survivors, 4, str(tmp_path), ("zero3", 2), ("zero3", 1), (0, 2),
+                              timeout_s=120)
+    assert results[1] == (results[1][0], None, None)  # ranks 0 and 2 held shard 0

@@ -1,0 +1,152 @@
+"""Sharded state survives a lost worker in memory (issue 18): TrainWorker actors on a real local Ray (gloo),
+driven as the Controller drives them (form -> plan_peer_restore -> restore_from_peers -> train).
+
+With strategy.replicas=2 at 4 workers every shard has two holders: after one is killed (inside a step, its
+peers blocked in the step's collectives, or between steps) the 3 survivors (one copy each now: 2 cannot
+split 3 ranks) rebuild the state from their kept shards and train on, and the run ends where an
+undisturbed run does; no checkpoint is ever written or read. A new worker joining later receives its
+shard from the peers the same way. Losing both holders of one shard leaves no plan (the Controller then
+goes to a checkpoint).
+
+    python -m pytest tests/test_peer_restore.py -q     # about 35 s on 2 cores
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+import ray
+
+from actors.worker import JoinReport, TrainWorkerActor, WorkerSpec
+from jobconfig import FaultConfig
+from strategies.checkpoint import Checkpointer
+from strategies.peer_restore import ShardCopy, plan_peer_restore
+from strategies.process_group import GroupAssignment, host_store, new_store_prefix
+from tests.helpers import assert_states_close, job
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+STEPS = 8
+KILLED = 1
+"""Rank 1 of 4 holds shard 1, as rank 3 does."""
+COLLECTIVE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Workers:
+    """TrainWorker actors driven directly around one rendezvous store, as the Controller's WorkerGroup does."""
+
+    spec: WorkerSpec
+    store: object
+    prefix: str
+    ip: str
+
+    def start(self, count: int) -> list:
+        return [TrainWorkerActor.options(num_cpus=0.5, max_concurrency=2).remote(self.spec) for _ in range(count)]
+
+    def join(self, generation: int, actors: list) -> list[JoinReport]:
+        return ray.get([actor.join.remote(GroupAssignment(
+            generation=generation, rank=rank, world_size=len(actors), store_host=self.ip, store_port=self.store.port,
+            store_prefix=self.prefix, timeout_s=COLLECTIVE_TIMEOUT_S)) for rank, actor in enumerate(actors)],
+            timeout=120)
+
+    def restore_from_peers(self, actors: list, reports: list[JoinReport]) -> int:
+        plan = plan_peer_restore([report.shard_copy for report in reports])
+        assert plan is not None, reports
+        steps = ray.get([actor.restore_from_peers.remote(plan) for actor in actors], timeout=120)
+        assert steps == [plan.step] * len(actors)
+        return plan.step
+
+    def train(self, actors: list, until_step: int, faults: dict[int, FaultConfig] | None = None) -> None:
+        """Train to ``until_step``; with ``faults`` (by rank), start training and return at once."""
+        faults = faults or {}
+        ray.get([actor.train.remote(until_step, (faults[rank],) if rank in faults else ())
+                 for rank, actor in enumerate(actors)])
+        for actor in [] if faults else actors:
+            assert wait_while(actor, "training") == ("finished", until_step)
+
+    def model(self, actors: list) -> dict:
+        return ray.get([actor.full_state_dict.remote(rank == 0) for rank, actor in enumerate(actors)])[0]
+
+
+def wait_while(actor, phase: str) -> tuple[str, int]:
+    """The actor's phase and step once it is no longer ``phase``."""
+    status = ray.get(actor.poll.remote(0.0))
+    while status.phase == phase:
+        status = ray.get(actor.poll.remote(5.0, status.version), timeout=60)
+    assert status.phase != "failed" or status.error_cause == "peer_lost", status.error
+    return status.phase, status.step
+
+
+def workers_of(tmp_path, *overrides: str) -> Workers:
+    config = job(f"training.steps={STEPS}", *overrides, name="peers")
+    checkpointer = Checkpointer(root=str(tmp_path / "checkpoints"), every_steps=0, num_to_keep=1, config_hash="h",
+                                global_batch_size=config.training.global_batch_size)
+    spec = WorkerSpec(workload=config.workload, training=config.training, optim=config.optim,
+                      strategy=config.strategy, data=config.data, eval=config.eval, use_gpu=False, torch_threads=1,
+                      checkpointer=checkpointer)
+    ip = ray.util.get_node_ip_address()
+    return Workers(spec, host_store(ip), new_store_prefix(), ip)
+
+
+def undisturbed_then_from_seed(workers: Workers, actors: list) -> dict:
+    """The undisturbed run's model (generation 0); then every actor starts over from the seed (generation 1)."""
+    workers.join(0, actors)
+    workers.train(actors, STEPS)
+    undisturbed = workers.model(actors)
+    workers.join(1, actors)  # a fresh start: sharded state is rebuilt from the seed at step 0
+    return undisturbed
+
+
+def test_zero3_with_two_copies_recovers_a_lost_worker_from_memory_and_a_new_one_joins_from_peers(tmp_path):
+    workers = workers_of(tmp_path, "strategy.name=zero3", "strategy.replicas=2")
+    actors = workers.start(4)
+    undisturbed = undisturbed_then_from_seed(workers, actors)
+    workers.train(actors, STEPS, faults={KILLED: FaultConfig(action="ray_kill", rank=KILLED, step=4)})
+    assert wait_while(actors[KILLED], "training") == ("awaiting_kill", 3)  # inside step 4, its peers too
+    ray.kill(actors[KILLED])
+    survivors = [actor for rank, actor in enumerate(actors) if rank != KILLED]
+    started = time.monotonic()
+    reports = workers.join(2, survivors)  # also the one blocked in a collective with a survivor, not the lost
+    assert time.monotonic() - started < COLLECTIVE_TIMEOUT_S / 2  # rank: released when that survivor left
+    assert [r.shard_copy for r in reports] == [ShardCopy(generation=1, world_size=4, replicas=2, rank=rank, step=3)
+                                               for rank in (0, 2, 3)]
+    assert plan_peer_restore([r.shard_copy for r in reports]).senders == (0, 2)  # shard 1 from old rank 3
+    assert workers.restore_from_peers(survivors, reports) == 3
+    workers.train(survivors, 5)
+
+    grown = [*survivors, *workers.start(1)]  # a new worker receives its shard from the peers, not from disk
+    reports = workers.join(3, grown)
+    assert reports[-1].shard_copy is None and reports[0].shard_copy.world_size == 3
+    assert workers.restore_from_peers(grown, reports) == 5
+    workers.train(grown, STEPS)
+    assert_states_close(workers.model(grown), undisturbed)
+    assert not (tmp_path / "checkpoints").exists()  # nothing was written, so nothing was read
+
+    for rank in (0, 2):  # both holders of shard 0 of generation 3's layout (4 ranks, 2 copies)
+        ray.kill(grown[rank])
+    left = [grown[1], grown[3]]
+    reports = workers.join(4, left)
+    assert {r.shard_copy.rank for r in reports} == {1, 3}
+    assert plan_peer_restore([r.shard_copy for r in reports]) is None
+    for actor in left:
+        ray.kill(actor)
+
+
+def test_zero1_with_two_copies_recovers_a_lost_worker_from_memory(tmp_path):
+    workers = workers_of(tmp_path, "strategy.name=zero1", "strategy.replicas=2")
+    actors = workers.start(4)
+    undisturbed = undisturbed_then_from_seed(workers, actors)
+    workers.train(actors, 3)
+
+    ray.kill(actors[0])
+    survivors = actors[1:]
+    reports = workers.join(2, survivors)
+    assert workers.restore_from_peers(survivors, reports) == 3
+    workers.train(survivors, STEPS)
+    assert_states_close(workers.model(survivors), undisturbed)
+    assert not (tmp_path / "checkpoints").exists()
+    for actor in survivors:
+        ray.kill(actor)
