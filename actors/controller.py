@@ -25,11 +25,13 @@ import ray
 from actors.events import RunLog
 from actors.faults import FaultPlan
 from actors.group_status import GroupStatus, LostWorker
+from actors.news import Progress, take_in
 from actors.placement import ReservedBundles
 from actors.policies import (
     AllStopped,
     FailurePolicy,
     FromCheckpoint,
+    FromPeers,
     FromRank,
     GenerationFinished,
     GenerationJudge,
@@ -41,7 +43,7 @@ from actors.policies import (
     ScalingState,
     Verdict,
     choose_state_source,
-    members_lack_newest_state,
+    needs_checkpoint_lookup,
     read_drain_notices,
     workers_missing,
 )
@@ -67,6 +69,7 @@ from actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
 from jobconfig import JobConfig
 from strategies import build_strategy
 from strategies.checkpoint import Checkpoint, Checkpointer, read_manifest
+from strategies.peer_restore import plan_peer_restore
 
 WAIT_SLICE_S = 1.0
 """While waiting for workers, how long one wait lasts before a stop request is looked at again."""
@@ -204,13 +207,19 @@ class Controller:
     def _form(self, state: Forming) -> RunState:
         """Every member joins generation g+1; the state is handed over or restored."""
         started, before = time.time(), self.step
-        member_steps = [report.step for report in self.group.form(run_step=self.step)]
+        reports = self.group.form(run_step=self.step)
+        member_steps = [report.step for report in reports]
+        plan = None if self.replicated else plan_peer_restore([report.shard_copy for report in reports])
         newest = None
-        if self.replicated and state.restore is None and members_lack_newest_state(member_steps, self.step):
+        if needs_checkpoint_lookup(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
+                                   run_step=self.step, peer_plan=plan):
             newest = self.checkpoints.newest(max_step=self.step, at_step=self.step)
         source = choose_state_source(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
-                                     newest_checkpoint=newest)
-        if isinstance(source, FromCheckpoint):
+                                     peer_plan=plan, newest_checkpoint=newest)
+        if isinstance(source, FromPeers):
+            self.group.call_all("restore_from_peers", [(source.plan,)] * self.group.size)
+            self.step, label = source.plan.step, "peers"
+        elif isinstance(source, FromCheckpoint):
             found = source.checkpoint
             self.checkpoints.require_same_job(found)
             self.group.call_all("restore", [(found.path, found.manifest.step)] * self.group.size)
@@ -228,10 +237,11 @@ class Controller:
     def _train(self, state: Running) -> RunState:
         """Train the generation, judging every poll, until the judge sees an end."""
         self.group.start_training(self.job.training.steps, [self.faults.for_rank(r) for r in range(self.group.size)])
-        recovering_since, boundary_requested = state.recovering_since, False
+        progress, boundary_requested = Progress(self.step, state.recovering_since), False
         while True:
             status = self.group.poll()
-            recovering_since = self._record(status, recovering_since)
+            progress = take_in(status, self.log, self.metrics, progress)
+            self.step = progress.step
             self._act_on_drain_notices(status)
             verdict = self.judge.decide(status)
             if not isinstance(verdict, KeepTraining):
@@ -239,9 +249,10 @@ class Controller:
             if not boundary_requested:
                 boundary_requested = self._consider_scaling(status)
         final = self.group.end_generation()
-        recovering_since = self._record(final, recovering_since)
+        progress = take_in(final, self.log, self.metrics, progress)
+        self.step = progress.step
         self.log.close_generation(self.group.generation)
-        return self._after_generation(verdict, final, recovering_since)
+        return self._after_generation(verdict, final, progress.recovering_since)
 
     def _after_generation(self, verdict: Verdict, final: GroupStatus, recovering_since: float | None) -> RunState:
         if isinstance(verdict, GenerationFinished):
@@ -291,10 +302,11 @@ class Controller:
             self.log.event("node_drain_cancelled", self.step, node_id=node)
 
     def _resize(self, state: Resizing) -> RunState:
-        """At a step boundary: drained workers leave, ready joiners come in. Sharded state is saved by the old
-        group first and loaded, resharded, by the new one: nothing is discarded."""
+        """At a step boundary: drained workers leave, ready joiners come in. Sharded state the leavers hold is
+        saved by the old group first and loaded, resharded, by the new one; with nobody leaving, every shard
+        stays in the members' memory and goes over to the new layout from there. Nothing is discarded."""
         restore = None
-        if not self.replicated:
+        if not self.replicated and self.group.num_leaving:
             path = self.group.call_all("save_checkpoint")[0]
             self.log.event("checkpointed", self.step, path=path, reason="membership change")
             restore = Checkpoint(path, read_manifest(path))
@@ -323,8 +335,7 @@ class Controller:
         if isinstance(decision, Raise):
             last = "; ".join(worker.describe() for worker in state.lost)
             return Failed(f"{decision.reason}; last failure: {last}{self._checkpoint_note()}")
-        # The failed workers' shards are gone: a sharded group restarts from a checkpoint.
-        restore = state.restore if self.replicated else self.checkpoints.newest(max_step=self.step, at_step=self.step)
+        restore = state.restore
         self._take_spares(reason="failure")
         self._admit_joiners()
         missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
@@ -380,31 +391,6 @@ class Controller:
     def _admit_joiners(self) -> None:
         for name in self.group.admit_ready_joiners():
             self.log.event("worker_joined", self.step, worker=name)
-
-    def _record(self, status: GroupStatus, recovering_since: float | None) -> float | None:
-        """Take in the members' news: step rows, the sample ledger, events, evaluations. Returns when the open
-        recovery began (None once a step committed after it: the run has recovered)."""
-        for news in status.news:
-            completed = None
-            for result in news.status.results:
-                completed = self.log.add_result(result, generation=status.generation, rank=news.rank,
-                                                world_size=status.world_size) or completed
-                if result.step > self.step:
-                    self.step = result.step
-                    if recovering_since is not None:
-                        self.log.event("recovered", self.step, world_size=status.world_size,
-                                       recovery_s=round(result.finished_at - recovering_since, 3))
-                        self.metrics.recovered()
-                        recovering_since = None
-            if completed:  # the gauges show the newest complete step (setting them for every step costs us)
-                self.metrics.step_committed(step=completed["step"], loss=completed["loss"],
-                                            samples_per_s=completed["samples_per_s"],
-                                            world_size=completed["world_size"])
-            for event in news.status.events:
-                self.log.add_event(event)
-            for evaluation in news.status.evaluations:
-                self.log.add_evaluation(evaluation.pop("step"), evaluation.pop("time"), evaluation)
-        return recovering_since
 
     def _resume_checkpoint(self) -> Checkpoint | None:
         found = self.checkpoints.newest(at_step=self.step) if self.job.checkpoint.resume == "auto" else None

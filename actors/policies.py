@@ -6,7 +6,8 @@ Every decision of a run is taken here, from a snapshot:
 - ``FailurePolicy``: recover from one more failure, or give up;
 - ``GenerationJudge``: from a ``GroupStatus`` poll, whether the generation trains on, finished, stopped
   at a boundary, lost workers (dead, silent, hung, blamed for their peers' errors) or hit a job error;
-- ``choose_state_source``: where a new generation's state comes from;
+- ``choose_state_source``: where a new generation's state comes from (a checkpoint, the most advanced
+  member, the shards kept in the members' memory, or the seed);
 - ``workers_missing``: whether the run must wait for workers before it can form again;
 - ``read_drain_notices``: which draining nodes' workers leave at the next step boundary, and which drains
   were called off.
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 from actors.group_status import DONE_PHASES, GroupStatus, LostWorker
 from strategies.checkpoint import Checkpoint
+from strategies.peer_restore import PeerRestorePlan
 
 # -- scaling --------------------------------------------------------------------------------------------------
 
@@ -228,31 +230,47 @@ class FromRank:
 
 
 @dataclass(frozen=True)
+class FromPeers:
+    """Sharded state the members kept in memory, every shard sent by a holder and resharded to the new group."""
+
+    plan: PeerRestorePlan
+
+
+@dataclass(frozen=True)
 class FromSeed:
     """Sharded state built afresh on every rank from the seed: step 0."""
 
 
-StateSource = FromCheckpoint | FromRank | FromSeed
+StateSource = FromCheckpoint | FromRank | FromPeers | FromSeed
 
 
-def members_lack_newest_state(member_steps: list[int], run_step: int) -> bool:
-    """Every holder of the run's newest state was lost: a checkpoint may be newer than what is left."""
-    return max(member_steps) < run_step
+def needs_checkpoint_lookup(*, replicated: bool, pending: Checkpoint | None, member_steps: list[int], run_step: int,
+                            peer_plan: PeerRestorePlan | None) -> bool:
+    """Whether the members may lack the run's newest state, so the newest checkpoint must be looked at: every
+    replicated holder of it was lost, or some shard has no surviving copy."""
+    if pending is not None:
+        return False
+    if replicated:
+        return max(member_steps) < run_step
+    return peer_plan is None and run_step > 0
 
 
 def choose_state_source(*, replicated: bool, pending: Checkpoint | None, member_steps: list[int],
+                        peer_plan: PeerRestorePlan | None = None,
                         newest_checkpoint: Checkpoint | None = None) -> StateSource:
     """Where generation g's state comes from.
 
-    ``pending``: the checkpoint this generation was asked to load (a resume, a sharded resize or
-    recovery). Otherwise a replicated run keeps its most advanced member's state, unless
-    ``newest_checkpoint`` (looked up when ``members_lack_newest_state``) is newer; a sharded run without
-    a checkpoint starts afresh.
+    ``peer_plan``: sharded state every shard of which survives in the members' memory; it wins unless
+    ``pending`` (the checkpoint this generation was asked to load: a resume, a sharded resize) is newer.
+    Otherwise a replicated run keeps its most advanced member's state and a sharded one starts afresh -
+    unless ``newest_checkpoint`` (looked up when ``needs_checkpoint_lookup``) is newer.
     """
+    if peer_plan is not None and (pending is None or peer_plan.step >= pending.manifest.step):
+        return FromPeers(peer_plan)
     if pending is not None:
         return FromCheckpoint(pending)
     if not replicated:
-        return FromSeed()
+        return FromSeed() if newest_checkpoint is None else FromCheckpoint(newest_checkpoint)
     best = max(range(len(member_steps)), key=lambda rank: member_steps[rank])
     if newest_checkpoint is not None and newest_checkpoint.manifest.step > member_steps[best]:
         return FromCheckpoint(newest_checkpoint)

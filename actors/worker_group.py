@@ -175,6 +175,11 @@ class WorkerGroup:
         self.membership.drain(names, replace=replace)
         return sorted(names)
 
+    @property
+    def num_leaving(self) -> int:
+        """Members asked to leave at the next step boundary."""
+        return len(self.membership.draining)
+
     def undrain(self, *, node_id: str) -> None:
         """The members on ``node_id`` stay after all (its drain was called off)."""
         self.membership.undrain({m.name for m in self.membership.members if m.node_id == node_id})

@@ -49,6 +49,8 @@ class FakeGroup:
         self.checkpoint_root = checkpoint_root
         self.config_hash = config_hash
         self.stop_at_boundary = False
+        self.shard_copies: list | None = None
+        """What each member reports it kept of sharded state at the next join (None: nothing)."""
         self.nodes: dict[str, str] = {}
         """Member name -> node id (none by default)."""
         self.draining_nodes: dict[str, float | None] = {}
@@ -97,9 +99,11 @@ class FakeGroup:
     def form(self, *, run_step: int) -> list[JoinReport]:
         self._call("join")
         self.generation += 1
+        copies = self.shard_copies or [None] * self.size
         if not self.replicated:  # sharded state is built afresh for every group
             self.steps = dict.fromkeys(self.members, 0)
-        return [JoinReport(node_id="node", step=self.steps.setdefault(name, 0)) for name in self.members]
+        return [JoinReport(node_id="node", step=self.steps.setdefault(name, 0), shard_copy=copy)
+                for name, copy in zip(self.members, copies, strict=True)]
 
     def call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1) -> list:
         self._call(method)
@@ -110,6 +114,9 @@ class FakeGroup:
         if method == "restore":
             self.steps = {name: args[0][1] for name in self.members}
             return [args[0][1]] * self.size
+        if method == "restore_from_peers":
+            self.steps = dict.fromkeys(self.members, args[0][0].step)
+            return [args[0][0].step] * self.size
         if method == "save_checkpoint":
             return [self._save()] * self.size
         if method == "evaluate":
@@ -164,6 +171,10 @@ class FakeGroup:
         if replace:
             self.calls.append(f"drain {node_id} and replace")
         return sorted(names)
+
+    @property
+    def num_leaving(self) -> int:
+        return len(self.draining)
 
     def undrain(self, *, node_id: str) -> None:
         self.draining -= {name for name in self.members if self.nodes.get(name) == node_id}

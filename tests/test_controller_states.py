@@ -29,6 +29,7 @@ from actors.worker_group import MemberRaised, MembersFailed
 from jobconfig import FaultConfig
 from strategies import build_strategy
 from strategies.checkpoint import latest_checkpoint
+from strategies.peer_restore import ShardCopy
 from tests.fake_group import FakeGroup, with_member, write_checkpoint
 from tests.helpers import job
 
@@ -104,9 +105,49 @@ def test_a_recovery_refuses_another_jobs_checkpoint(tmp_path):
     write_checkpoint(tmp_path / "step_00000005", 5, 2, run.job.math_hash())
     write_checkpoint(tmp_path / "step_00000010", 10, 2, "another job")  # appeared while the run trained
     run.state, run.step = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), 12
-    assert run.advance().restore.manifest.step == 10
+    assert isinstance(run.advance(), Forming)  # the lost shard has no copy: the newest checkpoint is looked at
     assert isinstance(run.advance(), Failed) and "written by a job with another workload" in run.state.reason
     assert "restore" not in group.calls
+
+
+def test_sharded_state_kept_by_the_survivors_is_restored_from_memory_not_disk(tmp_path):
+    run, group = controller(tmp_path, "strategy.name=zero3", "strategy.replicas=2", "scaling.min_workers=1",
+                            workers=4)
+    write_checkpoint(tmp_path / "step_00000005", 5, 4, run.job.math_hash())  # older than what the peers hold
+    run.state, run.step = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), 9
+    group.shard_copies = [ShardCopy(generation=0, world_size=4, replicas=2, rank=rank, step=9) for rank in (0, 2, 3)]
+    run.advance()
+    assert isinstance(run.advance(), Running) and run.step == 9
+    formed = events(run, "generation_formed")[0]
+    assert (formed["state_source"], formed["steps_lost"]) == ("peers", 0)
+    assert "restore_from_peers" in group.calls and "restore" not in group.calls
+
+
+def test_a_sharded_run_that_lost_both_copies_of_a_shard_goes_to_its_checkpoint(tmp_path):
+    run, group = controller(tmp_path, "strategy.name=zero3", "strategy.replicas=2", "scaling.min_workers=1",
+                            workers=3)
+    write_checkpoint(tmp_path / "step_00000005", 5, 4, run.job.math_hash())
+    run.state, run.step = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), 9
+    # old ranks 1 and 3 held shard 1: both gone
+    group.shard_copies = [ShardCopy(generation=0, world_size=4, replicas=2, rank=rank, step=9) for rank in (0, 2)]
+    run.advance()
+    run.advance()
+    formed = events(run, "generation_formed")[0]
+    assert (formed["state_source"], formed["steps_lost"], run.step) == ("checkpoint", 4, 5)
+
+
+def test_a_sharded_scale_up_moves_the_state_over_in_memory_without_a_save(tmp_path):
+    run, group = controller(tmp_path, "strategy.name=zero2", "scaling.max_workers=3", free_slots=1)
+    run.state = Forming()
+    run.advance()
+    group.on_poll(lambda status: dataclasses.replace(status, num_placeable=1))
+    assert isinstance(run.advance(), Resizing)
+    step = run.step
+    group.shard_copies = [ShardCopy(generation=0, world_size=2, replicas=1, rank=r, step=step) for r in (0, 1)] + [None]
+    run.advance()
+    run.advance()
+    assert "save_checkpoint" not in group.calls and events(run, "generation_formed")[-1]["state_source"] == "peers"
+    assert run.step == step and group.size == 3
 
 
 def test_replicated_state_comes_from_the_most_advanced_member(tmp_path):
@@ -362,8 +403,8 @@ def _in_state(tmp_path, state: str, strategy: str) -> tuple[Controller, FakeGrou
         run.state, run.step = Forming(restore=checkpoint), 2
     elif state == "running":
         run.state = Running()
-    elif state == "resizing":
-        run.state, run.step, group.steps = Resizing(), 3, {name: 3 for name in group.members}
+    elif state == "resizing":  # w2 leaves: its shards are saved first
+        run.state, run.step, group.steps, group.draining = Resizing(), 3, {name: 3 for name in group.members}, {"w2"}
     else:
         run.state, run.step, group.steps = Finishing(), STEPS, {name: STEPS for name in group.members}
     return run, group

@@ -132,8 +132,10 @@ def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference
     types = event_types(result)
     assert "worker_joined" in types and "worker_left" in types and "worker_failed" not in types
     assert all(e.details["steps_lost"] == 0 for e in result.events if e.type == "generation_formed")
-    if strategy == "zero3":  # sharded state moves through a checkpoint the old group writes first
-        assert sum(e.details.get("reason") == "membership change" for e in result.events) == 2
+    if strategy == "zero3":  # scale-up: the shards move over in memory; drain: the leaver's through a checkpoint
+        assert sum(e.details.get("reason") == "membership change" for e in result.events) == 1
+        formed = [e for e in result.events if e.type == "generation_formed"]
+        assert [e.details["state_source"] for e in formed[1:]] == ["peers", "checkpoint"], formed
     saved_steps = [e.step for e in result.events if e.type == "checkpointed"]
     assert len(saved_steps) == len(set(saved_steps))  # one event per save
 
@@ -226,3 +228,26 @@ def test_a_warm_spare_replaces_a_killed_worker_without_waiting(tmp_path, referen
     assert [(e.details["reason"], e.details["workers"]) for e in taken] == [("failure", 1)]
     assert types.index("spares_taken") < types.index("recovered")
     assert {row["world_size"] for row in result.history} == {3}
+
+
+def test_zero3_with_two_replicas_recovers_a_killed_worker_from_memory(tmp_path, reference):
+    """strategy.replicas=2 at 4 workers: every shard has a second copy, so a lost worker's shards come from
+    the survivors' memory. No checkpoint is ever written before the end, so none can have been read."""
+    result, state = run_disturbed(tmp_path, "hsdp", "strategy.name=zero3", "strategy.replicas=2",
+                                  "scaling.min_workers=3", "scaling.max_workers=4", "checkpoint.every_steps=0",
+                                  "faults=[{action: kill, rank: 1, step: 13}]")
+    assert_same_as_reference(result, state, reference)
+    formed = [e for e in result.events if e.type == "generation_formed"]
+    assert formed[0].details["world_size"] == 4
+    assert [e.details["state_source"] for e in formed[1:]] == ["peers"] * (len(formed) - 1), formed
+    assert formed[1].details["steps_lost"] <= 1 and formed[1].details["world_size"] == 3
+    assert not [e for e in result.events if e.type == "checkpointed" and e.step < STEPS]
+
+
+def test_zero3_that_loses_both_copies_of_a_shard_goes_back_to_its_checkpoint(tmp_path, reference):
+    result, state = run_disturbed(tmp_path, "hsdp-both", "strategy.name=zero3", "strategy.replicas=2",
+                                  "scaling.min_workers=2", "scaling.max_workers=4", "checkpoint.every_steps=5",
+                                  "faults=[{action: kill, rank: 1, step: 13}, {action: kill, rank: 3, step: 13}]")
+    assert_same_as_reference(result, state, reference)
+    formed = [e for e in result.events if e.type == "generation_formed"]
+    assert formed[1].details["state_source"] == "checkpoint" and formed[1].step == 10, formed  # ranks 1, 3: shard 1

@@ -15,6 +15,7 @@ from actors.policies import (
     AllStopped,
     FailurePolicy,
     FromCheckpoint,
+    FromPeers,
     FromRank,
     FromSeed,
     GenerationFinished,
@@ -29,11 +30,12 @@ from actors.policies import (
     ScalingState,
     WorkersLost,
     choose_state_source,
-    members_lack_newest_state,
+    needs_checkpoint_lookup,
     read_drain_notices,
     workers_missing,
 )
 from strategies.checkpoint import Checkpoint, CheckpointManifest
+from strategies.peer_restore import PeerRestorePlan
 
 # -- ScalingPolicy ----------------------------------------------------------------------------------------
 
@@ -191,7 +193,9 @@ def test_replicated_state_comes_from_the_first_most_advanced_member():
 
 
 def test_a_newer_checkpoint_beats_members_that_lost_the_newest_state():
-    assert members_lack_newest_state([0, 2], run_step=7) and not members_lack_newest_state([0, 7], run_step=7)
+    lookup = {"replicated": True, "pending": None, "peer_plan": None, "run_step": 7}
+    assert needs_checkpoint_lookup(member_steps=[0, 2], **lookup)
+    assert not needs_checkpoint_lookup(member_steps=[0, 7], **lookup)
     assert choose_state_source(replicated=True, pending=None, member_steps=[0, 2],
                                newest_checkpoint=checkpoint(5)) == FromCheckpoint(checkpoint(5))
     assert choose_state_source(replicated=True, pending=None, member_steps=[0, 6],
@@ -200,6 +204,25 @@ def test_a_newer_checkpoint_beats_members_that_lost_the_newest_state():
 
 def test_sharded_state_without_a_checkpoint_starts_from_the_seed():
     assert choose_state_source(replicated=False, pending=None, member_steps=[0, 0]) == FromSeed()
+
+
+PLAN = PeerRestorePlan(generation=1, world_size=4, replicas=2, step=7, senders=(0, 2))
+
+
+def test_sharded_state_kept_in_memory_wins_over_disk_unless_the_checkpoint_is_newer():
+    sharded = {"replicated": False, "member_steps": [0, 0, 0]}
+    assert choose_state_source(pending=None, peer_plan=PLAN, newest_checkpoint=None, **sharded) == FromPeers(PLAN)
+    assert choose_state_source(pending=checkpoint(7), peer_plan=PLAN, **sharded) == FromPeers(PLAN)  # a resize
+    assert choose_state_source(pending=checkpoint(8), peer_plan=PLAN, **sharded) == FromCheckpoint(checkpoint(8))
+
+
+def test_a_sharded_run_looks_at_its_checkpoints_only_when_a_shard_is_gone():
+    sharded = {"replicated": False, "member_steps": [0, 0], "pending": None}
+    assert not needs_checkpoint_lookup(run_step=9, peer_plan=PLAN, **sharded)  # nothing read from disk
+    assert needs_checkpoint_lookup(run_step=9, peer_plan=None, **sharded)
+    assert not needs_checkpoint_lookup(run_step=0, peer_plan=None, **sharded)  # nothing trained yet
+    assert choose_state_source(peer_plan=None, newest_checkpoint=checkpoint(5), **sharded) == \
+        FromCheckpoint(checkpoint(5))
 
 
 # -- drain notices ----------------------------------------------------------------------------------------
