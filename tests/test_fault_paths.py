@@ -74,10 +74,14 @@ def test_workers_lost_together_count_as_one_failure(tmp_path, undisturbed):
 def test_replicated_run_losing_every_worker_goes_on_from_its_checkpoint(tmp_path, undisturbed):
     run_dir = tmp_path / "all"
     faults = "faults=[{action: kill, rank: 0, step: 17}, {action: kill, rank: 1, step: 17}]"
-    result = train(job(*BASE, faults, "checkpoint.every_steps=5", "checkpoint.num_to_keep=2", name="all"),
+    slow = ("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.2}")
+    result = train(job(*BASE, faults, *slow, "checkpoint.every_steps=5", "checkpoint.num_to_keep=2", name="all"),
                    run_dir=run_dir)
     formed = events_of(result, "generation_formed")
-    assert [e.details["state_source"] for e in formed[1:]] == ["checkpoint"] and formed[1].step == 15
+    assert [e.details["state_source"] for e in formed[1:]] == ["checkpoint"]
+    # Step 15's checkpoint, unless the Controller had heard of no step past 14 when both died (step results
+    # come with polls, at least every second): it restores no step it never heard was committed.
+    assert formed[1].step in (10, 15), formed
     assert_states_close(load_model(run_dir), undisturbed)
     assert latest_checkpoint(run_dir / "checkpoints").manifest.step == STEPS  # its new checkpoints are kept
 
