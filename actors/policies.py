@@ -55,15 +55,16 @@ class ScalingState:
 
 @dataclass(frozen=True, kw_only=True)
 class ScalingPolicy:
-    """Ask for as many workers as allowed, as soon as resources for them are ready, taking ready spares
-    first; keep ``spare_workers`` spares started besides."""
+    """Ask for as many workers as allowed, as soon as resources for them are ready, and keep ``spare_workers``
+    spares started besides. Spares hold their own slots: they fill new resources at once (a new spare then
+    starts on the new slot), not slots the run was given for them."""
 
     min_workers: int
     max_workers: int
     spare_workers: int = 0
 
     def decide(self, state: ScalingState) -> Noop | Resize:
-        target = min(self.max_workers, state.num_workers + state.num_placeable + state.num_spares_ready)
+        target = min(self.max_workers, state.num_workers + state.num_placeable)
         if target != state.num_workers and target >= self.min_workers:
             return Resize(target, from_spares=min(state.num_spares_ready, target - state.num_workers))
         return Noop()

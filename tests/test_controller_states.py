@@ -314,9 +314,18 @@ def test_a_scale_up_takes_a_ready_spare_at_the_next_boundary(tmp_path):
     run, group = controller(tmp_path, "scaling.max_workers=3", "scaling.spare_workers=1", idle_spares=1)
     run.state = Forming()
     run.advance()
-    assert isinstance(run.advance(), Resizing)  # the spare was asked in at once
+    group.free_slots = 1  # resources for a third worker appear: the spare takes them at once
+    assert isinstance(run.advance(), Resizing)
     assert isinstance(run.advance(), Forming) and group.member_names == ["w0", "w1", "spare0"]
     assert events(run, "spares_taken")[0]["reason"] == "scale-up"
+    assert group.idle == ["w2"]  # and a new spare starts on the new slot
+
+
+def test_below_max_an_idle_spare_waits_for_new_resources(tmp_path):
+    run, group = controller(tmp_path, "scaling.max_workers=3", "scaling.spare_workers=1", idle_spares=1)
+    run.state = Forming()
+    run.advance()
+    assert isinstance(run.advance(), Finishing) and group.member_names == ["w0", "w1"] and group.idle == ["spare0"]
 
 
 def test_below_min_workers_the_run_waits_then_forms_with_a_replacement(tmp_path):

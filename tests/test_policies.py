@@ -102,6 +102,7 @@ def test_max_failures_zero_raises_on_the_first():
     (ScalingState(2, 1, num_spares_ready=0, num_spares=0), Noop(), 1),                  # a free slot: a new spare
     (ScalingState(1, 1, num_spares_ready=1, num_spares=1), Resize(2, from_spares=1), 1),  # spare in, slot for a new
     (ScalingState(1, 0, num_spares_ready=0, num_spares=1), Noop(), 0),                  # the spare still starts
+    (ScalingState(1, 0, num_spares_ready=1, num_spares=1), Noop(), 0),  # below max, it waits for new resources
 ])
 def test_scaling_with_spares(state, decision, new_spares):
     policy = ScalingPolicy(min_workers=1, max_workers=2, spare_workers=1)
