@@ -149,40 +149,65 @@ def plot(rounds: list[dict], summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def median_round(key: str, field: str) -> dict:
+    def median_round(key: str, field: str) -> dict | None:
         done = sorted((r for r in rounds if field in r.get(key, {})), key=lambda r: r[key][field])
-        return done[len(done) // 2][key]
+        return done[len(done) // 2][key] if done else None
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(19, 4.8))
     for key, label, color in [("ours_min1", "ours, min_workers=1", "tab:blue"),
                               ("ours_min2", "ours, min=max=2 (waits for a replacement)", "tab:green"),
+                              ("ours_spare", "ours, min=max=2 + 1 warm spare", "tab:purple"),
                               ("ray_train", "Ray Train TorchTrainer", "tab:red")]:
-        run = median_round(key, "recovery_s")
+        if (run := median_round(key, "recovery_s")) is None:
+            continue
+        kill_step = run["first_step_after_kill"] + run["committed_steps_lost"]
         times, steps = zip(*run["timeline"], strict=True)
-        left.plot(times, steps, ".", ms=3, color=color, label=f"{label}: {run['recovery_s']:.2f} s, "
-                                                               f"{run['steps_redone']} redone")
-    left.axvline(0, color="black", ls="--", lw=1, label="rank 1 SIGKILLed")
-    left.set(xlabel="seconds since the kill (median round)", ylabel="committed step",
+        left.plot(times, [s - kill_step for s in steps], ".", ms=3, color=color,
+                  label=f"{label}: {run['recovery_s']:.2f} s, {run['steps_redone']} redone")
+    left.axvline(0, color="black", ls="--", lw=1, label="rank 1 SIGKILLed before step K")
+    left.set(xlabel="seconds since the kill (median round)", ylabel="committed step - K",
              title=f"Recovery: Ray Train / ours = {summary['ray_train_over_ours_recovery']}x")
     left.legend(fontsize=8, loc="lower right")
-    scale = median_round("scale_up", "scale_up_s")
-    for size, color in [(1, "tab:gray"), (2, "tab:blue")]:
-        points = [(t, s) for t, s, w in scale["timeline"] if w == size]
-        right.plot(*zip(*points, strict=True), ".", ms=2, color=color, label=f"world size {size}")
-    right.axvline(0, color="black", ls="--", lw=1, label="blocker killed: resources appear")
-    parts = scale["breakdown"]
-    spawned = parts["slot_and_scaling_tick_s"]
-    right.axvspan(spawned, spawned + parts["actor_construction_s"], color="tab:orange", alpha=0.2,
-                  label="new worker's actor starting")
-    joined = spawned + parts["actor_construction_s"] + parts["tick_and_step_boundary_s"]
-    right.axvline(joined, color="tab:orange", lw=1, label="worker_joined (step boundary)")
-    right.set_xlim(-1, scale["scale_up_s"] + 3)
-    right.set_ylim(0, 1.1 * max(s for t, s, _ in scale["timeline"] if t <= scale["scale_up_s"] + 3))
-    right.set(xlabel="seconds since resources appeared", ylabel="committed step",
-              title=f"Scale-up 1 -> 2 workers: {scale['scale_up_s']:.2f} s to the first 2-worker step")
-    right.legend(fontsize=8, loc="upper left")
+    if (scale := median_round("scale_up", "scale_up_s")) is not None:
+        plot_scale_up(middle, scale)
+    if (drain := median_round("drain", "notice_to_step_without_node_s")) is not None:
+        plot_drain(right, drain)
     loads = [r["load_average_at_start"][0] for r in rounds]
     fig.suptitle(f"{len(rounds)} rounds on a shared 2-core machine (1-min load average {min(loads):.0f}-"
                  f"{max(loads):.0f} at round starts)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_scale_up(axes: Any, scale: dict) -> None:
+    for size, color in [(1, "tab:gray"), (2, "tab:blue")]:
+        points = [(t, s) for t, s, w in scale["timeline"] if w == size]
+        axes.plot(*zip(*points, strict=True), ".", ms=2, color=color, label=f"world size {size}")
+    axes.axvline(0, color="black", ls="--", lw=1, label="blocker killed: resources appear")
+    parts = scale["breakdown"]
+    spawned = parts["slot_and_scaling_tick_s"]
+    axes.axvspan(spawned, spawned + parts["actor_construction_s"], color="tab:orange", alpha=0.2,
+                 label="new worker's actor starting")
+    joined = spawned + parts["actor_construction_s"] + parts["tick_and_step_boundary_s"]
+    axes.axvline(joined, color="tab:orange", lw=1, label="worker_joined (step boundary)")
+    axes.set_xlim(-1, scale["scale_up_s"] + 3)
+    axes.set_ylim(0, 1.1 * max(s for t, s, _ in scale["timeline"] if t <= scale["scale_up_s"] + 3))
+    axes.set(xlabel="seconds since resources appeared", ylabel="committed step",
+             title=f"Scale-up 1 -> 2 workers: {scale['scale_up_s']:.2f} s to the first 2-worker step")
+    axes.legend(fontsize=8, loc="upper left")
+
+
+def plot_drain(axes: Any, drain: dict) -> None:
+    for size, color in [(2, "tab:blue"), (1, "tab:gray")]:
+        points = [(t, s) for t, s, w in drain["timeline"] if w == size]
+        axes.plot(*zip(*points, strict=True), ".", ms=2, color=color, label=f"world size {size}")
+    parts = drain["breakdown"]
+    axes.axvline(0, color="black", ls="--", lw=1, label="drain_node: the preemption notice")
+    axes.axvline(parts["noticed_s"], color="tab:orange", lw=1, label="node_draining (Controller's poll)")
+    axes.axvline(parts["noticed_s"] + parts["step_boundary_s"], color="tab:purple", lw=1,
+                 label="drained (step boundary)")
+    lost = max(drain["steps_lost_event"], drain["steps_lost_history"])
+    axes.set(xlabel="seconds since the notice (median round)", ylabel="committed step",
+             title=f"Drain notice: {drain['notice_to_step_without_node_s']:.2f} s to a step without the node, "
+                   f"{lost} lost")
+    axes.legend(fontsize=8, loc="upper left")

@@ -1,4 +1,4 @@
-"""Recovery from a SIGKILLed worker, ours against Ray Train's TorchTrainer; and our scale-up time.
+"""Recovery from a SIGKILLed worker, ours against Ray Train's TorchTrainer; our scale-up and drain times.
 
 The same job on both sides: digits MLP (hidden=512), 2 CPU workers (1 torch thread each), global
 batch 64, AdamW(lr=1e-3), the same sample order, a checkpoint every 10 steps, max_failures=1. Rank 1
@@ -11,12 +11,18 @@ Train's inside its train loop (benchmarks/_recovery_helpers.py). Definitions (al
 - recovery_s: the first step committed after the kill time, minus the kill time;
 - steps_redone: committed steps lost (K-1 minus the step resumed from) + 1, the in-flight step K;
 - scale-up: from ``ray.kill`` of a blocker actor holding the second worker's CPU (min 1, max 2
-  workers) to the commit of the first step at world size 2.
+  workers) to the commit of the first step at world size 2; again with ``scaling.spare_workers=1``
+  and a CPU more for the spare ("no scale-up" when the run is at world size 2 before the release);
+- drain: a two-node ``ray.cluster_utils.Cluster``, a worker on each node; the driver drains the second
+  node through the GCS as a preemption notice (60 s deadline); from that call to the first step
+  committed without the node (world size 1), and the steps lost.
 
-Ours runs two ways: min_workers=1 (the survivor goes on alone) and min=max=2 (the run waits for a
-replacement worker, which costs a new process's start-up). One local Ray instance (2 CPUs) per side
-per round; the side that goes first alternates; medians over rounds.
-Run from the repository root (3-4 minutes a round on 2 busy cores)::
+Ours runs the kill three ways: min_workers=1 (the survivor goes on alone), min=max=2 (the run waits for
+a replacement worker, which costs a new process's start-up) and min=max=2 with a warm spare
+(``scaling.spare_workers=1``; killed at a later step, once the spare is built). One local Ray instance
+per side per round (Ray Train's 2 CPUs; ours 3, the third held by a blocker except for the spare's
+runs); the side that goes first alternates; then the drain on its own cluster; medians over rounds.
+Run from the repository root (3 minutes a round on 2 quiet cores, 5 on busy ones)::
 
     .venv/bin/python -m benchmarks.recovery                 # 3 rounds
     .venv/bin/python -m benchmarks.recovery --rounds 5 --kill-step 30
@@ -37,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,46 +51,34 @@ from typing import Any
 import ray
 import torch
 
-import cluster.job
 from actors.controller import RunFailed
-from actors.run_status import Event, RunStatus
+from actors.run_status import Event
+from benchmarks import _recovery_changes as changes
 from benchmarks import _recovery_helpers as helpers
 from jobconfig import load_job_config
-from jobconfig.naming import NAMESPACE, controller_name, worker_name
+from jobconfig.naming import NAMESPACE, worker_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 NUM_WORKERS, GLOBAL_BATCH, HIDDEN, CHECKPOINT_EVERY, LR, SEED = 2, 64, 512, 10, 1e-3, 0
-GOALS = {"recovery_s_below": 1.5, "speedup_at_least": 5.0, "steps_redone_at_most": 1, "scale_up_s_below": 3.0}
+GOALS = {"recovery_s_below": 1.5, "speedup_at_least": 5.0, "steps_redone_at_most": 1, "scale_up_s_below": 3.0,
+         "spare_recovery_s_below": 1.0, "spare_scale_up_s_below": 1.0, "drain_steps_lost_at_most": 0}
+MEASURED = ("ours_min1", "ours_min2", "ours_spare", "ray_train", "scale_up", "scale_up_spare", "drain", "startup")
+TIMELINE_STEPS_BEFORE_KILL = 25  # the failure timelines keep steps from K-25 on: what the plot shows
+DRAIN_STEPS = 100_000  # a cap: the run is stopped a few seconds after the node left
 
 
-def job_overrides(name: str, steps: int, min_workers: int, kill_step: int | None) -> list[str]:
-    """The failure runs checkpoint as Ray Train's side does; the scale-up run (no kill) does not."""
+def job_overrides(name: str, steps: int, min_workers: int, kill_step: int | None, spare_workers: int = 0) -> list[str]:
+    """The failure runs checkpoint as Ray Train's side does; the scale-up and drain runs (no kill) do not."""
     overrides = [f"name={name}", f"workload.options={{hidden: {HIDDEN}}}", f"training.steps={steps}",
                  f"training.global_batch_size={GLOBAL_BATCH}", f"training.seed={SEED}", f"optim.lr={LR}",
                  f"scaling.min_workers={min_workers}", f"scaling.max_workers={NUM_WORKERS}",
-                 "scaling.cpus_per_worker=1", "failure.max_failures=1", "checkpoint.resume=never"]
+                 f"scaling.spare_workers={spare_workers}", "scaling.cpus_per_worker=1", "failure.max_failures=1",
+                 "checkpoint.resume=never"]
     if kill_step is None:
         return [*overrides, "checkpoint.every_steps=0"]
     return [*overrides, f"checkpoint.every_steps={CHECKPOINT_EVERY}",
             f"faults=[{{action: kill, rank: 1, step: {kill_step}}}]"]
-
-
-class Follower:
-    """train()'s on_progress: learns the Controller's clock origin; kills the blocker at a step."""
-
-    def __init__(self, name: str, blocker: Any, release_at_step: int) -> None:
-        self.name, self.blocker, self.release_at_step = name, blocker, release_at_step
-        self.origin: float | None = None
-        self.released_at: float | None = None
-
-    def __call__(self, progress: RunStatus) -> None:
-        if self.origin is None:  # RunLog.started: the time_s of history and events count from it
-            controller = ray.get_actor(controller_name(self.name))
-            self.origin = ray.get(controller.__ray_call__.remote(lambda c: c.log.started))
-        if self.released_at is None and progress.step >= self.release_at_step:
-            self.released_at = time.time()
-            ray.kill(self.blocker)
 
 
 def summarize_failure(commits: list[tuple[int, float]], kill_step: int) -> dict[str, Any]:
@@ -97,16 +90,18 @@ def summarize_failure(commits: list[tuple[int, float]], kill_step: int) -> dict[
     return {"recovery_s": round(first_at - kill_at, 4), "first_step_after_kill": first_step,
             "back_at_step_k_s": round(next(t for s, t in after if s == kill_step) - kill_at, 4),
             "committed_steps_lost": lost, "steps_redone": lost + 1,
-            "timeline": [[round(t - kill_at, 4), s] for s, t in commits]}
+            "timeline": [[round(t - kill_at, 4), s] for s, t in commits if s >= kill_step - TIMELINE_STEPS_BEFORE_KILL]}
 
 
-def run_ours(name: str, scratch: Path, steps: int, kill_step: int, min_workers: int) -> dict:
-    job = load_job_config(None, job_overrides(name, steps, min_workers, kill_step))
+def run_ours(name: str, scratch: Path, steps: int, kill_step: int, min_workers: int, spare_workers: int = 0) -> dict:
+    job = load_job_config(None, job_overrides(name, steps, min_workers, kill_step, spare_workers))
+    follow = changes.Follower(name)
+    spare = worker_name(name, NUM_WORKERS + 1) if spare_workers else None  # started right after the members
     try:
-        result = cluster.job.train(job, run_dir=scratch / name)
+        result, spare_marks = changes.follow_run(job, scratch / name, follow, watched=spare)
     except RunFailed as error:
         events = [Event.from_dict(e) for e in json.loads((scratch / name / "result.json").read_text())["events"]]
-        return {"status": "failed", "error": str(error)[:300], "events": membership_events(events)}
+        return {"status": "failed", "error": str(error)[:300], "events": changes.membership_events(events)}
     commits = sorted(((r["step"], r["time_s"]) for r in result.history), key=lambda c: c[1])
     summary = summarize_failure(commits, kill_step)
     kill_at = next(t for s, t in commits if s == kill_step - 1)
@@ -116,8 +111,16 @@ def run_ours(name: str, scratch: Path, steps: int, kill_step: int, min_workers: 
     breakdown = {"detected_s": failed.time_s - kill_at, "recover_s": formed_from - failed.time_s,
                  "generation_formed_s": formed.details["duration_s"],
                  "first_step_s": kill_at + summary["recovery_s"] - formed.time_s}
-    return {"status": "finished", **summary, "steps_lost_event": formed.details["steps_lost"],
-            "breakdown": {k: round(v, 4) for k, v in breakdown.items()}, "events": membership_events(result.events)}
+    spare_facts = {}
+    if spare_workers:
+        spare_facts = {"spare_built_before_kill_s": round(kill_at - (spare_marks["constructed"] - follow.origin), 4)}
+        taken = [e.details.get("reason") for e in result.events if e.type == "spares_taken" and e.time_s >= kill_at]
+        if taken[:1] != ["failure"] or any(e.type == "waiting_for_resources" for e in result.events):
+            raise RuntimeError(f"the spare was not taken at once after the kill (spares_taken {taken}; built "
+                               f"{spare_facts['spare_built_before_kill_s']} s before it): raise --spare-kill-step")
+    return {"status": "finished", **summary, "steps_lost_event": formed.details["steps_lost"], **spare_facts,
+            "breakdown": {k: round(v, 4) for k, v in breakdown.items()},
+            "events": changes.membership_events(result.events)}
 
 
 def run_ray_train(scratch: Path, steps: int, kill_step: int) -> dict:
@@ -133,51 +136,15 @@ def run_ray_train(scratch: Path, steps: int, kill_step: int) -> dict:
             "train_fn_restarted_s": round(starts[-1][1] - kill_at, 4), "kill_since_fit_s": round(kill_at, 3)}
 
 
-def run_scale_up(scratch: Path, steps: int, release_at_step: int) -> dict:
-    name = f"scaleup-{scratch.name}"
-    blocker = ray.remote(num_cpus=1)(helpers.Blocker).remote()  # holds the second worker's CPU
-    ray.get(blocker.ready.remote())
-    follow, joiner, done = Follower(name, blocker, release_at_step), {}, threading.Event()
-    watcher = threading.Thread(target=watch_joiner, args=(worker_name(name, 2), joiner, done), daemon=True)
-    watcher.start()
-    try:
-        result = cluster.job.train(load_job_config(None, job_overrides(name, steps, 1, None)),
-                                   run_dir=scratch / name, on_progress=follow)
-    finally:
-        done.set()
-    released = follow.released_at
-    first_two = next(r for r in result.history if r["world_size"] == 2)
-    joined = next(e for e in result.events if e.type == "worker_joined")
-    formed = [e for e in result.events if e.type == "generation_formed"][-1]
-    at = {"spawned": joiner["spawned"] - released, "constructed": joiner["constructed"] - released,
-          "joined": joined.time_s + follow.origin - released, "formed": formed.time_s + follow.origin - released,
-          "first_step": first_two["time_s"] + follow.origin - released}
-    breakdown = {"slot_and_scaling_tick_s": at["spawned"], "actor_construction_s": at["constructed"] - at["spawned"],
-                 "tick_and_step_boundary_s": at["joined"] - at["constructed"],
-                 "generation_formed_s": at["formed"] - at["joined"], "first_step_s": at["first_step"] - at["formed"]}
-    origin = follow.origin - released
-    return {"scale_up_s": round(at["first_step"], 4), "breakdown": {k: round(v, 4) for k, v in breakdown.items()},
-            "timeline": [[round(r["time_s"] + origin, 4), r["step"], r["world_size"]] for r in result.history
-                         if -1 <= r["time_s"] + origin <= at["first_step"] + 3],  # what the plot shows
-            "events": membership_events(result.events)}
+def run_scale_up(scratch: Path, steps: int, release_at_step: int, spare_workers: int = 0) -> dict:
+    name = f"scaleup{'-spare' if spare_workers else ''}-{scratch.name}"
+    job = load_job_config(None, job_overrides(name, steps, 1, None, spare_workers))
+    return changes.run_scale_up(job, scratch / name, release_at_step)
 
 
-def membership_events(events: list[Event]) -> list[dict]:
-    return [e.to_dict() for e in events if e.type != "checkpointed"]
-
-
-def watch_joiner(name: str, marks: dict[str, float], done: threading.Event) -> None:
-    """Driver-side times of the joiner: its actor created by the Controller, then constructed."""
-    while not done.is_set():
-        try:
-            actor = ray.get_actor(name)
-        except ValueError:
-            time.sleep(0.01)
-            continue
-        marks["spawned"] = time.time()
-        ray.get(actor.pid.remote())
-        marks["constructed"] = time.time()
-        return
+def run_drain(scratch: Path, steps: int, notice_at_step: int) -> dict:
+    name = f"drain-{scratch.name}"
+    return changes.run_drain(load_job_config(None, job_overrides(name, steps, 1, None)), scratch / name, notice_at_step)
 
 
 def measure_startup() -> dict:
@@ -192,8 +159,8 @@ def measure_startup() -> dict:
     return {k: round(v, 4) for k, v in phases.items()}
 
 
-def local_ray() -> None:
-    ray.init(address="local", num_cpus=NUM_WORKERS, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+def local_ray(num_cpus: int) -> None:
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
              logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
 
 
@@ -209,23 +176,52 @@ def run_round(index: int, scratch: Path, args: argparse.Namespace) -> dict:
     sides = ["ours", "ray_train"] if index % 2 == 0 else ["ray_train", "ours"]
     record: dict[str, Any] = {"round": index, "order": sides, "load_average_at_start": os.getloadavg()}
     for side in sides:
-        local_ray()
+        local_ray(NUM_WORKERS if side == "ray_train" else NUM_WORKERS + 1)
         try:
             if side == "ray_train":
                 (scratch / f"rt{index}").mkdir()
                 record["ray_train"] = guarded(run_ray_train, scratch / f"rt{index}", args.steps, args.kill_step)
-                continue
-            for key, min_workers in [("ours_min1", 1), ("ours_min2", 2)]:
-                record[key] = guarded(run_ours, f"{key.replace('_', '-')}-{index}", scratch, args.steps,
-                                      args.kill_step, min_workers)
-            record["scale_up"] = guarded(run_scale_up, scratch / f"s{index}", args.scale_up_steps,
-                                         args.release_at_step)
-            record["startup"] = guarded(measure_startup)
+            else:
+                record |= run_ours_side(index, scratch, args)
         finally:
             ray.shutdown()
-    print(f"round {index}: " + ", ".join(f"{k} {v.get('recovery_s', v.get('scale_up_s', v.get('status')))}"
-                                         for k, v in record.items() if isinstance(v, dict)), flush=True)
+    record["drain"] = guarded(run_drain, scratch / f"d{index}", DRAIN_STEPS, args.release_at_step)
+    print(f"round {index}: " + ", ".join(f"{k} {headline(v)}" for k, v in record.items() if isinstance(v, dict)),
+          flush=True)
     return record
+
+
+def run_ours_side(index: int, scratch: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """On a 3-CPU instance: the runs without a spare while a blocker holds the third CPU, then the spare's."""
+    record: dict[str, dict] = {}
+    third_cpu = ray.remote(num_cpus=1)(helpers.Blocker).remote()
+    ray.get(third_cpu.ready.remote())
+    for key, min_workers in [("ours_min1", 1), ("ours_min2", 2)]:
+        record[key] = guarded(run_ours, f"{key.replace('_', '-')}-{index}", scratch, args.steps,
+                              args.kill_step, min_workers)
+    record["scale_up"] = guarded(run_scale_up, scratch / f"s{index}", args.scale_up_steps, args.release_at_step)
+    record["startup"] = guarded(measure_startup)
+    ray.kill(third_cpu)
+    wait_for_free_cpus(NUM_WORKERS + 1)
+    spare_steps = args.spare_kill_step + args.steps - args.kill_step  # as many steps after the kill as the others
+    record["ours_spare"] = guarded(run_ours, f"ours-spare-{index}", scratch, spare_steps, args.spare_kill_step,
+                                   NUM_WORKERS, spare_workers=1)
+    record["scale_up_spare"] = guarded(run_scale_up, scratch / f"ss{index}", args.scale_up_steps,
+                                       args.release_at_step, spare_workers=1)
+    return record
+
+
+def headline(run: dict) -> Any:
+    for field in ("recovery_s", "scale_up_s", "notice_to_step_without_node_s", "status"):
+        if field in run:
+            return run[field]
+    return None
+
+
+def wait_for_free_cpus(count: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def numbers(run: dict) -> dict[str, float]:
@@ -235,18 +231,28 @@ def numbers(run: dict) -> dict[str, float]:
 
 def summarize(rounds: list[dict]) -> dict:
     medians: dict[str, Any] = {}
-    for key in ("ours_min1", "ours_min2", "ray_train", "scale_up", "startup"):
+    for key in MEASURED:
         runs = [numbers(r[key]) for r in rounds if "error" not in r.get(key, {"error": "missing"})]
         fields = sorted({f for run in runs for f in run})
         medians[key] = {f: round(statistics.median(run[f] for run in runs if f in run), 4) for f in fields}
+    outcomes = {key: [r.get(key, {}).get("status", "measured") for r in rounds] for key in MEASURED}
+    drains = [r["drain"] for r in rounds if "error" not in r.get("drain", {"error": "missing"})]
+    drain_lost = max((max(d["steps_lost_event"], d["steps_lost_generation"], d["steps_lost_history"],
+                          d["steps_committed_twice"]) for d in drains), default=None)
     ours, theirs = medians["ours_min1"].get("recovery_s"), medians["ray_train"].get("recovery_s")
     speedup = round(theirs / ours, 1) if ours and theirs else None
     goals_met = {"recovery_s_below": _below(ours, GOALS["recovery_s_below"]),
                  "speedup_at_least": None if speedup is None else speedup >= GOALS["speedup_at_least"],
                  "steps_redone_at_most": _below(medians["ours_min1"].get("steps_redone"),
                                                 GOALS["steps_redone_at_most"] + 0.5),
-                 "scale_up_s_below": _below(medians["scale_up"].get("scale_up_s"), GOALS["scale_up_s_below"])}
-    return {"medians": medians, "ray_train_over_ours_recovery": speedup, "goals_met": goals_met}
+                 "scale_up_s_below": _below(medians["scale_up"].get("scale_up_s"), GOALS["scale_up_s_below"]),
+                 "spare_recovery_s_below": _below(medians["ours_spare"].get("recovery_s"),
+                                                  GOALS["spare_recovery_s_below"]),
+                 "spare_scale_up_s_below": _below(medians["scale_up_spare"].get("scale_up_s"),
+                                                  GOALS["spare_scale_up_s_below"]),
+                 "drain_steps_lost_at_most": _below(drain_lost, GOALS["drain_steps_lost_at_most"] + 0.5)}
+    return {"medians": medians, "ray_train_over_ours_recovery": speedup, "drain_steps_lost_worst_round": drain_lost,
+            "outcomes": outcomes, "goals_met": goals_met}
 
 
 def _below(value: float | None, limit: float) -> bool | None:
@@ -261,13 +267,64 @@ def code_version() -> str:
     return f"{commit or 'unknown'} + {len(changed)} changed/untracked paths: {', '.join(changed)[:300]}"
 
 
+def describe(args: argparse.Namespace) -> dict[str, dict]:
+    """The JSON's "job" and "definitions"."""
+    job = {"workload": f"digits(hidden={HIDDEN})", "workers": NUM_WORKERS, "global_batch_size": GLOBAL_BATCH,
+           "optimizer": f"AdamW(lr={LR})", "steps": args.steps, "checkpoint_every_steps": CHECKPOINT_EVERY,
+           "kill": f"rank 1 SIGKILLs itself before step {args.kill_step}", "max_failures": 1,
+           "spare_run": f"min=max=2 workers, scaling.spare_workers=1, rank 1 SIGKILLs itself before step "
+                        f"{args.spare_kill_step} of {args.spare_kill_step + args.steps - args.kill_step}",
+           "scale_up_run": f"no checkpoints, min 1 max 2 workers (and spare_workers=1); the blocker killed at the "
+                           f"first progress at step {args.release_at_step} or later; stopped {changes.LINGER_S:g} s "
+                           f"after a progress at world size 2 (at most {args.scale_up_steps} steps)",
+           "drain_run": f"no checkpoints, min 1 max 2 workers, a head and one more node of 1 CPU each; the notice at "
+                        f"the first progress at step {args.release_at_step} or later, deadline "
+                        f"{changes.DRAIN_DEADLINE_S} s; stopped {changes.LINGER_S:g} s after a progress at world size "
+                        f"1 (at most {DRAIN_STEPS} steps)"}
+    definitions = {
+        "kill_time": "commit of step K-1 (the killed rank commits it, then SIGKILLs itself before step K)",
+        "recovery_s": "first step committed after the kill time minus the kill time",
+        "back_at_step_k_s": "commit of step K (the step in flight at the kill) minus the kill time",
+        "steps_redone": "committed steps lost (K-1 minus the step resumed from) + 1 (step K, in flight)",
+        "ours_spare": "the kill with min=max=2 and one warm spare (built and idle in a slot of its own, the third "
+                      "CPU); K is later so that the spare is built by then (spare_built_before_kill_s: the driver "
+                      "saw its constructor return that long before the kill); the run fails the measurement if "
+                      "the spare is not taken at once (spares_taken, reason failure, no waiting_for_resources)",
+        "scale_up_s": "first step committed at world size 2 minus the driver's ray.kill(blocker) call",
+        "scale_up_spare": "the same with spare_workers=1 and a CPU more from the start (for the spare). "
+                          "'no scale-up' when the run trained at world size 2 before the blocker went: the "
+                          "scaling policy takes every ready spare, and places members first, while the group is "
+                          "below max_workers, so no spare waits idle for resources to appear",
+        "drain": "notice_to_step_without_node_s: the driver's GcsClient.drain_node call (reason "
+                 "DRAIN_NODE_REASON_PREEMPTION) to the first step committed at world size 1; steps_lost_event: "
+                 "the drained event's steps_lost; steps_lost_generation: the next generation_formed's; "
+                 "steps_lost_history: last step committed at world size 2 + 1 - first step at world size 1; "
+                 "steps_committed_twice: step numbers the history holds more than once",
+        "breakdown (ours, failure)": "detected_s: kill to worker_failed; recover_s: worker_failed to the new "
+                                     "generation starting to form (incl. waiting for a replacement when "
+                                     "min_workers needs one, or taking the spare); generation_formed_s: join + "
+                                     "state hand-over; first_step_s: formed to the commit of step K",
+        "breakdown (scale-up)": "slot_and_scaling_tick_s: to the joiner's actor being created (slot placed + "
+                                "the Controller's 0.5 s scaling check); actor_construction_s: to its "
+                                "constructor returning; tick_and_step_boundary_s: to worker_joined; then "
+                                "generation_formed_s and first_step_s. With a spare: scaling_tick_s to "
+                                "spares_taken, step_boundary_s to worker_joined, then the same",
+        "breakdown (drain)": "noticed_s: the call to node_draining (the Controller's poll); step_boundary_s: to "
+                             "drained (the worker left at the step boundary); generation_formed_s: to the next "
+                             "generation_formed; first_step_s: to the first step at world size 1",
+        "timeline": "[seconds since the kill (failures; steps from K-25), since resources appeared (scale-up) or "
+                    "since the notice (drain), step(, world)]"}
+    return {"job": job, "definitions": definitions}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--kill-step", type=int, default=25)
-    parser.add_argument("--scale-up-steps", type=int, default=2000)
-    parser.add_argument("--release-at-step", type=int, default=100)
+    parser.add_argument("--spare-kill-step", type=int, default=1000, help="the spare's run: built by then")
+    parser.add_argument("--scale-up-steps", type=int, default=100_000, help="a cap: stopped once measured")
+    parser.add_argument("--release-at-step", type=int, default=100, help="and the drain's notice")
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="recovery-"))  # run dirs, checkpoints, logs: kept if a run failed
@@ -286,25 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "ray": ray.__version__, "ray_train_v2": is_v2_enabled(),
                     "load_average_at_end": os.getloadavg()},
-        "job": {"workload": f"digits(hidden={HIDDEN})", "workers": NUM_WORKERS, "global_batch_size": GLOBAL_BATCH,
-                "optimizer": f"AdamW(lr={LR})", "steps": args.steps, "checkpoint_every_steps": CHECKPOINT_EVERY,
-                "kill": f"rank 1 SIGKILLs itself before step {args.kill_step}", "max_failures": 1,
-                "scale_up_run": f"{args.scale_up_steps} steps, no checkpoints, min 1 max 2 workers"},
-        "definitions": {
-            "kill_time": "commit of step K-1 (the killed rank commits it, then SIGKILLs itself before step K)",
-            "recovery_s": "first step committed after the kill time minus the kill time",
-            "back_at_step_k_s": "commit of step K (the step in flight at the kill) minus the kill time",
-            "steps_redone": "committed steps lost (K-1 minus the step resumed from) + 1 (step K, in flight)",
-            "scale_up_s": "first step committed at world size 2 minus the driver's ray.kill(blocker) call",
-            "breakdown (ours, failure)": "detected_s: kill to worker_failed; recover_s: worker_failed to the new "
-                                         "generation starting to form (incl. waiting for a replacement when "
-                                         "min_workers needs one); generation_formed_s: join + state hand-over; "
-                                         "first_step_s: formed to the commit of step K",
-            "breakdown (scale-up)": "slot_and_scaling_tick_s: to the joiner's actor being created (slot placed + "
-                                    "the Controller's 0.5 s scaling check); actor_construction_s: to its "
-                                    "constructor returning; tick_and_step_boundary_s: to worker_joined; then "
-                                    "generation_formed_s and first_step_s",
-            "timeline": "[seconds since the kill (failures) or since resources appeared (scale-up), step(, world)]"},
+        **describe(args),
         "goals": GOALS, **summary, "ray_train_facts": helpers.RAY_TRAIN_FACTS, "rounds": rounds}
     (RESULTS / "recovery.json").write_text(json.dumps(report, indent=1))
     helpers.plot(rounds, summary, RESULTS / "recovery.png")

@@ -133,10 +133,15 @@ def recovery(result: dict) -> list[str]:
              f"detected {ours['detected_s']:.3f}, generation formed {ours['generation_formed_s']:.3f}"],
             ["ours, `min_workers` 2 (a replacement must start)", f"{ours2['recovery_s']:.2f}", ours2["steps_redone"],
              f"detected {ours2['detected_s']:.3f}, waiting for the replacement {ours2['recover_s']:.2f}, "
-             f"generation formed {ours2['generation_formed_s']:.2f}"],
-            ["Ray Train TorchTrainer", f"**{peer['recovery_s']:.2f}**", peer["steps_redone"],
-             f"train function restarted {peer['train_fn_restarted_s']:.2f}, resumed from step {peer['resumed_from']}"]]
-    startup = medians.get("startup", {})
+             f"generation formed {ours2['generation_formed_s']:.2f}"]]
+    if spare := medians.get("ours_spare"):
+        rows.append(["ours, `min_workers` 2 + `spare_workers` 1 (the spare comes in)",
+                     f"**{spare['recovery_s']:.2f}**", spare["steps_redone"],
+                     f"detected {spare['detected_s']:.3f}, spare taken {spare['recover_s']:.3f}, "
+                     f"generation formed (state handed to the spare) {spare['generation_formed_s']:.2f}"])
+    rows.append(["Ray Train TorchTrainer", f"**{peer['recovery_s']:.2f}**", peer["steps_redone"],
+                 f"train function restarted {peer['train_fn_restarted_s']:.2f}, "
+                 f"resumed from step {peer['resumed_from']}"])
     out = [f"Kill to next step, median over the rounds: Ray Train / ours = "
            f"**{result['ray_train_over_ours_recovery']:.0f}x**.", "",
            table(["side", "recovery s", "steps redone", "breakdown, s"], rows), "",
@@ -144,15 +149,45 @@ def recovery(result: dict) -> list[str]:
            f"scaling check {up['slot_and_scaling_tick_s']:.2f} + new actor constructed {up['actor_construction_s']:.2f}"
            f" + step boundary {up['tick_and_step_boundary_s']:.3f} + generation formed {up['generation_formed_s']:.2f}"
            f" + first step {up['first_step_s']:.3f}."]
-    if startup:
+    out += recovery_spare_scale_up(result) + recovery_drain(result)
+    if startup := medians.get("startup", {}):
         out += ["", "A worker's start-up, s: " + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f}"
                                                         for k, v in startup.items()) + "."]
-    out += ["", "Goals: " + ", ".join(f"{k} {v}: {'met' if met.get(k) else 'not met'}" for k, v in goals.items()) + ".",
+    verdicts = {True: "met", False: "not met", None: "not measured"}
+    out += ["", "Goals: " + ", ".join(f"{k} {v}: {verdicts[met.get(k)]}" for k, v in goals.items()) + ".",
             "", f"Job: {params_line(result['job'])}.", "",
             "Definitions:", ""] + [f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
     out += ["", "Ray Train facts the JSON records (paths in the installed ray package):", ""]
     out += [f"- {k}: {v}" for k, v in result.get("ray_train_facts", {}).items()]
     return out
+
+
+def recovery_spare_scale_up(result: dict) -> list[str]:
+    up, outcomes = result["medians"].get("scale_up_spare"), result.get("outcomes", {}).get("scale_up_spare", [])
+    if up is None:
+        return []
+    if "scale_up_s" in up:
+        parts = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.3f}" for k, v in up.items()
+                          if k != "scale_up_s")
+        return ["", f"Scale-up with `spare_workers` 1: **{up['scale_up_s']:.2f} s** ({parts})."]
+    counted = ", ".join(f"{outcome} in {outcomes.count(outcome)} of {len(outcomes)} rounds"
+                        for outcome in dict.fromkeys(outcomes))
+    return ["", f"Scale-up with `spare_workers` 1: nothing to time ({counted}): the run trained at world size 2 "
+                f"from step {up.get('world_size_2_at_step', 1):.0f}, before the blocker went (see "
+                f"`scale_up_spare` below)."]
+
+
+def recovery_drain(result: dict) -> list[str]:
+    drain = result["medians"].get("drain")
+    if not drain:
+        return []
+    return ["", f"Preemption notice (a drain; the Controller saw {drain['deadline_s']:.0f} s left of its deadline) "
+                f"-> first step without the node: **{drain['notice_to_step_without_node_s']:.2f} s** = seen by the "
+                f"Controller "
+                f"{drain['noticed_s']:.3f} + step boundary {drain['step_boundary_s']:.3f} + generation formed "
+                f"{drain['generation_formed_s']:.3f} + first step {drain['first_step_s']:.3f}; steps lost in the "
+                f"worst round: **{result['drain_steps_lost_worst_round']}** (the drained event, the next generation "
+                f"and the history agree), workers failed: {drain['workers_failed']:.0f}."]
 
 
 def memory(result: dict) -> list[str]:
