@@ -107,19 +107,22 @@ class WorkerGroup:
     # -- placement and membership ---------------------------------------------------------------------------
     def place(self, *, max_workers: int, min_workers: int, timeout_s: float,
               spare_workers: int = 0) -> list[LostWorker]:
-        """Start up to ``max_workers`` (waiting up to ``timeout_s`` for ``min_workers`` slots) and, beside them,
-        up to ``spare_workers`` spares (others start as their slots become ready). Waits until each member has
-        built its workload, so the first rendezvous does not time out on a slow node's worker. Returns those
-        that died or did not start in time (dropped); raises MemberRaised when one could not build the
-        workload."""
+        """Start up to ``max_workers`` (waiting up to ``timeout_s`` for ``min_workers`` slots) and up to
+        ``spare_workers`` spares (others start as their slots become ready). Slots go to ``min_workers``
+        members first, then to the spares the job asked for, then to growing towards ``max_workers``. Waits
+        until each member has built its workload, so the first rendezvous does not time out on a slow node's
+        worker. Returns those that died or did not start in time (dropped); raises MemberRaised when one
+        could not build the workload."""
         slots, wanted = self.membership.slots, max_workers + spare_workers
         slots.request(wanted)
         taken = slots.take_ready(wanted, at_least=min_workers, timeout_s=timeout_s)
         if len(taken) < wanted:  # slots placed together become ready a moment apart
             taken += slots.take_ready(wanted - len(taken), at_least=wanted - len(taken), timeout_s=START_GRACE_S)
-        members = self.membership.spawn(taken[:max_workers])
+        spares_from = min(min_workers, len(taken))
+        spare_slots = taken[spares_from:spares_from + spare_workers]
+        members = self.membership.spawn([slot for slot in taken if slot not in spare_slots][:max_workers])
         self.membership.admit(members)
-        self.membership.spares += self.membership.spawn(taken[max_workers:])  # they build while the members do
+        self.membership.spares += self.membership.spawn(spare_slots)  # they build while the members do
         ray.wait([m.ready for m in members], num_returns=len(members), timeout=timeout_s)
         lost = []
         for member in members:
