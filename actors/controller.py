@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import ray
 
@@ -64,7 +61,7 @@ from actors.run_states import (
     Stopped,
     WaitingForWorkers,
 )
-from actors.run_status import Event, RunStatus
+from actors.run_status import RunResult, RunStatus
 from actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
 from jobconfig import JobConfig
 from strategies import build_strategy
@@ -73,22 +70,6 @@ from strategies.peer_restore import plan_peer_restore
 
 WAIT_SLICE_S = 1.0
 """While waiting for workers, how long one wait lasts before a stop request is looked at again."""
-
-
-@dataclass(frozen=True)
-class RunResult:
-    final_step: int
-    metrics: dict[str, float]
-    history: list[dict[str, Any]]
-    events: list[Event]
-    model_state: dict[str, Any]
-    checkpoint: str | None
-    memory: list[dict[str, int]] | None = None
-    """Per rank: bytes of parameters, gradients and optimizer state held at the end of the run."""
-    ledger: dict[int, list[dict[str, Any]]] | None = None
-    """training.record_samples: every application of every step (``RunLog.ledger`` has its shape)."""
-    eval_history: list[dict[str, Any]] | None = None
-    """The periodic evaluations (eval.every_steps): ``{"step", "time_s", metrics...}`` each."""
 
 
 class RunFailed(RuntimeError):
@@ -417,6 +398,3 @@ class Controller:
 
 ControllerActor = ray.remote(num_cpus=0, max_concurrency=8)(Controller)
 
-
-def default_checkpoint_root(run_dir: str | Path) -> str:
-    return str(Path(run_dir).resolve() / "checkpoints")

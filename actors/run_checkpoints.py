@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from actors.events import RunLog
 from strategies.checkpoint import Checkpoint, latest_checkpoint, newest_loadable
@@ -46,3 +47,6 @@ class RunCheckpoints:
         if found is None:
             return "; no checkpoint was written yet (checkpoint.every_steps)"
         return f"; last checkpoint: {found.path} (step {found.manifest.step})"
+
+def default_checkpoint_root(run_dir: str | Path) -> str:
+    return str(Path(run_dir).resolve() / "checkpoints")

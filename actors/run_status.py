@@ -1,4 +1,5 @@
-"""What a reader of a run sees: its ``RunStatus`` (``Controller.progress()``) and its typed ``Event``s.
+"""What a reader of a run sees: its ``RunStatus`` (``Controller.progress()``), its typed ``Event``s, and the
+``RunResult`` of a finished run.
 
 An event says what happened to the run at a step; result.json, MLflow and TensorBoard keep it as
 ``event.to_dict()``::
@@ -64,3 +65,19 @@ class RunStatus:
     history: list[dict[str, Any]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     evaluations: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    final_step: int
+    metrics: dict[str, float]
+    history: list[dict[str, Any]]
+    events: list[Event]
+    model_state: dict[str, Any]
+    checkpoint: str | None
+    memory: list[dict[str, int]] | None = None
+    """Per rank: bytes of parameters, gradients and optimizer state held at the end of the run."""
+    ledger: dict[int, list[dict[str, Any]]] | None = None
+    """training.record_samples: every application of every step (``RunLog.ledger`` has its shape)."""
+    eval_history: list[dict[str, Any]] | None = None
+    """The periodic evaluations (eval.every_steps): ``{"step", "time_s", metrics...}`` each."""

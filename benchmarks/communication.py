@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from actors.controller import RunResult
+from actors.run_status import RunResult
 from benchmarks.throughput import machine_info
 from cluster.connect import ray_session
 from cluster.job import train

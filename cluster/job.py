@@ -32,9 +32,10 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.controller import ControllerActor, RunFailed, RunResult, default_checkpoint_root
+from actors.controller import ControllerActor, RunFailed
 from actors.placement import ReservedBundles
-from actors.run_status import Event, RunStatus
+from actors.run_checkpoints import default_checkpoint_root
+from actors.run_status import Event, RunResult, RunStatus
 from cluster.connect import ray_session
 from cluster.tensorboard import TensorBoardLog
 from cluster.tracking import MlflowLog, RunEnd

@@ -18,10 +18,15 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from actors.controller import Controller
 from actors.group_status import GroupStatus, LostWorker, MemberStatus, RankNews
+from actors.run_states import Failed, Finished, Stopped
 from actors.step_loop import StepResult
 from actors.worker import JoinReport, WorkerStatus
+from actors.worker_group import MembersFailed
+from strategies import build_strategy
 from strategies.checkpoint import CheckpointManifest, write_manifest
+from tests.helpers import job
 
 
 class FakeGroup:
@@ -252,3 +257,29 @@ def write_checkpoint(directory: Path, step: int, world_size: int, config_hash: s
 def with_member(status: GroupStatus, name: str, **changes: object) -> GroupStatus:
     """``status`` with member ``name``'s status changed."""
     return replace(status, members=tuple(replace(m, **changes) if m.name == name else m for m in status.members))
+
+
+STEPS = 6
+"""Steps of the jobs the state-machine tests run."""
+
+
+def controller(tmp_path, *overrides: str, **group_options) -> tuple[Controller, FakeGroup]:
+    config = job(f"training.steps={STEPS}", "checkpoint.every_steps=0", *overrides)
+    group = FakeGroup(checkpoint_root=tmp_path, config_hash=config.math_hash(),
+                      replicated=build_strategy(config.strategy).replicated, **group_options)
+    return Controller(config, str(tmp_path), group=group), group
+
+
+def states_until_end(run: Controller) -> list[str]:
+    names = []
+    while not isinstance(run.state, Finished | Failed | Stopped):
+        names.append(run.advance().name)
+    return names
+
+
+def events(run: Controller, type_: str) -> list[dict]:
+    return [e.to_dict() for e in run.log.events() if e.type == type_]
+
+
+def lose(name: str, rank: int) -> MembersFailed:
+    return MembersFailed([LostWorker(name, "actor died: killed", rank)])

@@ -1,0 +1,194 @@
+"""The Controller's state machine under failures, with a fake WorkerGroup (tests/fake_group.py): a lost worker
+and a job error in every state that calls the workers, double failures, failures while forming, and stop
+requests in every state - each test in milliseconds, no Ray.
+
+    python -m pytest tests/test_controller_failures.py -q
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from actors.controller import Controller, RunFailed
+from actors.group_status import LostWorker
+from actors.run_states import (
+    Failed,
+    Finished,
+    Finishing,
+    Forming,
+    Placing,
+    Recovering,
+    Resizing,
+    Running,
+    Stopped,
+    WaitingForWorkers,
+)
+from actors.worker_group import MemberRaised
+from strategies.checkpoint import latest_checkpoint
+from tests.fake_group import STEPS, FakeGroup, controller, events, lose, states_until_end, with_member, write_checkpoint
+
+pytestmark = pytest.mark.timeout(10)
+
+
+# -- a failure in every state -----------------------------------------------------------------------------------
+
+FAILING_CALLS = [
+    ("forming", "join", "ddp"),
+    ("forming", "sync_state", "ddp"),
+    ("forming", "restore", "zero2"),
+    ("running", "train", "ddp"),
+    ("resizing", "save_checkpoint", "zero1"),
+    ("finishing", "evaluate", "ddp"),
+    ("finishing", "full_state_dict", "ddp"),
+    ("finishing", "full_state_dict", "zero3"),
+    ("finishing", "memory", "ddp"),
+    ("finishing", "save_checkpoint", "ddp"),
+]
+
+
+def _in_state(tmp_path, state: str, strategy: str) -> tuple[Controller, FakeGroup]:
+    run, group = controller(tmp_path, f"strategy.name={strategy}", "scaling.min_workers=1", workers=3)
+    if state == "forming":
+        checkpoint = None
+        if strategy != "ddp":
+            write_checkpoint(tmp_path / "step_00000002", 2, 3, run.job.math_hash())
+            checkpoint = latest_checkpoint(tmp_path)
+        run.state, run.step = Forming(restore=checkpoint), 2
+    elif state == "running":
+        run.state = Running()
+    elif state == "resizing":  # w2 leaves: its shards are saved first
+        run.state, run.step, group.steps, group.draining = Resizing(), 3, {name: 3 for name in group.members}, {"w2"}
+    else:
+        run.state, run.step, group.steps = Finishing(), STEPS, {name: STEPS for name in group.members}
+    return run, group
+
+
+@pytest.mark.parametrize(("state", "method", "strategy"), FAILING_CALLS)
+def test_members_lost_in_any_state_are_recovered_from(tmp_path, state, method, strategy):
+    run, group = _in_state(tmp_path, state, strategy)
+    group.fail(method, lose("w2", 2))
+    recovering = run.advance()
+    assert isinstance(recovering, Recovering) and recovering.lost[0].name == "w2", recovering
+    assert states_until_end(run)[-1] == "finished", run.state
+    assert run.failures == 1 and group.member_names == ["w0", "w1"] and run.state.result.final_step == STEPS
+
+
+@pytest.mark.parametrize(("state", "method", "strategy"), FAILING_CALLS)
+def test_a_job_error_in_any_state_fails_the_run(tmp_path, state, method, strategy):
+    run, group = _in_state(tmp_path, state, strategy)
+    group.fail(method, MemberRaised(f"w1 raised an error in {method}\nTraceback: OSError: disk full"))
+    assert isinstance(run.advance(), Failed)
+    first_line, traceback = run.state.reason.split("\n", 1)
+    assert first_line.startswith(f"w1 raised an error in {method}; ") and "checkpoint" in first_line
+    assert traceback == "Traceback: OSError: disk full"
+
+
+def test_a_failure_while_forming_keeps_the_checkpoint_the_generation_was_to_load(tmp_path):
+    run, group = controller(tmp_path, "checkpoint.resume=auto", "scaling.min_workers=1")
+    write_checkpoint(tmp_path / "step_00000003", 3, 2, run.job.math_hash())
+    group.fail("join", lose("w1", 1))
+    run.advance()  # placing -> forming(restore step 3)
+    recovering = run.advance()
+    assert isinstance(recovering, Recovering) and recovering.restore.manifest.step == 3
+    forming = run.advance()
+    assert forming.restore.manifest.step == 3
+    run.advance()
+    assert run.step == 3 and events(run, "generation_formed")[0]["state_source"] == "checkpoint"
+
+
+def test_a_second_failure_while_recovering_is_counted_and_recovered_from(tmp_path):
+    run, group = controller(tmp_path, "scaling.min_workers=1", "failure.max_failures=2", workers=3)
+    run.state = Forming()
+    run.advance()
+    group.on_poll(lambda status: with_member(status, "w2", dead="actor died"))
+    group.fail("join", lose("w1", 1))  # the re-formation loses another
+    names = states_until_end(run)
+    assert names[:5] == ["recovering", "forming", "recovering", "forming", "running"], names
+    assert names[-1] == "finished" and run.failures == 2 and group.member_names == ["w0"]
+
+
+def test_a_second_failure_beyond_max_failures_fails_the_run(tmp_path):
+    run, group = controller(tmp_path, "scaling.min_workers=1", "failure.max_failures=1", workers=3)
+    run.state = Forming()
+    run.advance()
+    group.on_poll(lambda status: with_member(status, "w2", dead="actor died"))
+    group.fail("join", lose("w1", 1))
+    assert states_until_end(run) == ["recovering", "forming", "recovering", "failed"]
+    assert "2 failures, more than failure.max_failures=1; last failure: w1" in run.state.reason
+
+
+def test_a_recovery_is_timed_from_the_first_failure_to_the_next_committed_step(tmp_path):
+    run, group = controller(tmp_path, "scaling.min_workers=1", workers=3)
+    failed_at = time.time() - 5
+    run.state = Recovering((LostWorker("w2", "actor died", 2),), recovering_since=failed_at)
+    group.fail("join", lose("w1", 1))
+    states_until_end(run)
+    recovered = events(run, "recovered")
+    assert len(recovered) == 1 and recovered[0]["recovery_s"] >= 5
+
+
+# -- stop requests ----------------------------------------------------------------------------------------------
+
+STOPPABLE_STATES = [Forming(), Running(), Resizing(),
+                    WaitingForWorkers(needed=1, deadline=float("inf"), recovering_since=0.0)]
+
+
+@pytest.mark.parametrize("state", STOPPABLE_STATES, ids=lambda s: s.name)
+def test_a_stop_ends_a_stoppable_state_before_it_acts(tmp_path, state):
+    run, group = controller(tmp_path)
+    run.state = state
+    run.stop()
+    assert isinstance(run.advance(), Stopped) and group.calls == []
+
+
+def test_a_stop_during_formation_takes_effect_once_the_generation_is_formed(tmp_path):
+    run, group = controller(tmp_path)
+    run.state = Forming()
+    original_form = group.form
+
+    def form_while_the_user_stops(**kwargs):
+        run.stop()
+        return original_form(**kwargs)
+
+    group.form = form_while_the_user_stops
+    assert isinstance(run.advance(), Running)
+    assert isinstance(run.advance(), Stopped) and "train" not in group.calls
+    with pytest.raises(RunFailed, match="run stopped by the user at step 0"):
+        run.run()
+
+
+def test_a_stop_while_training_ends_at_the_next_boundary(tmp_path):
+    run, group = controller(tmp_path)
+    run.state = Forming()
+    run.advance()
+    group.on_poll(lambda status: (run.stop(), status)[1])
+    assert isinstance(run.advance(), Resizing)  # every member stopped after the same step
+    assert isinstance(run.advance(), Stopped) and 0 < run.step < STEPS
+
+
+def test_a_recovery_completes_before_a_stop_takes_effect(tmp_path):
+    run, group = controller(tmp_path, "scaling.min_workers=1")
+    run.state = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time())
+    run.stop()
+    assert isinstance(run.advance(), Forming) and "drop w1" in group.calls and run.failures == 1
+    assert isinstance(run.advance(), Stopped)
+
+
+def test_a_stop_while_finishing_lets_the_run_finish(tmp_path):
+    run, group = controller(tmp_path)
+    run.state, run.step, group.steps = Finishing(), STEPS, {"w0": STEPS, "w1": STEPS}
+    run.stop()
+    assert isinstance(run.advance(), Finished)
+
+
+def test_progress_reports_the_state(tmp_path):
+    run, group = controller(tmp_path)
+    assert run.progress().state == "placing"
+    run.advance()
+    status = run.progress()
+    assert (status.state, status.generation, status.world_size, status.members) == ("forming", -1, 2, ["w0", "w1"])
+    run.advance()
+    assert run.progress().state == "running" and run.progress().generation == 0
+    assert Placing().name == "placing"
