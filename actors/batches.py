@@ -3,12 +3,12 @@
 A generation trains steps [first_step, until_step); this rank's part of each is known in advance
 (actors/data_order.py), so a DataLoader driven by a batch sampler of exactly those indices can
 fetch and collate them ahead, in worker processes when ``data.num_workers`` > 0, while the
-training thread computes. The loader is rebuilt at every generation (rank and world size change);
-the data order does not.
+training thread computes. The loader is rebuilt at every generation (rank and world size change)
+and whenever the batch split changes; the data order does not.
 
 Example::
 
-    batches = planned_batches(dataset, order, rank=0, world_size=2, first_step=0, until_step=100,
+    batches = planned_batches(dataset, order, split=BatchSplit.even(64, 2), rank=0, first_step=0, until_step=100,
                               micro_batch_size=8, collate=None, data=DataConfig(num_workers=2))
     first = next(batches)          # step 0's first micro-batch, collated
 """
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
-from actors.data_order import GlobalSampleOrder, micro_batches
+from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, micro_batches
 from jobconfig import DataConfig
 
 Collate = Callable[[list[Any]], Any]
@@ -30,21 +30,20 @@ Collate = Callable[[list[Any]], Any]
 class PlannedIndices(Sampler[list[int]]):
     """The dataset indices of this rank's micro-batches, step after step, in training order."""
 
-    def __init__(self, order: GlobalSampleOrder, *, rank: int, world_size: int, first_step: int, until_step: int,
+    def __init__(self, order: GlobalSampleOrder, *, split: BatchSplit, rank: int, first_step: int, until_step: int,
                  micro_batch_size: int | None) -> None:
-        self.order, self.rank, self.world_size = order, rank, world_size
+        self.order, self.split, self.rank = order, split, rank
         self.first_step, self.until_step, self.micro_batch_size = first_step, until_step, micro_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
+        count = micro_batch_count(self.split, self.micro_batch_size)
         for step in range(self.first_step, self.until_step):
-            indices = self.order.rank_indices(step, self.rank, self.world_size)
-            for chunk in micro_batches(indices, self.micro_batch_size):
+            indices = self.order.split_indices(step, self.split, self.rank)
+            for chunk in micro_batches(indices, count):
                 yield chunk.tolist()
 
     def __len__(self) -> int:
-        share = len(self.order.rank_indices(0, self.rank, self.world_size))
-        per_step = 1 if self.micro_batch_size is None else -(-share // self.micro_batch_size)
-        return (self.until_step - self.first_step) * per_step
+        return (self.until_step - self.first_step) * micro_batch_count(self.split, self.micro_batch_size)
 
 
 class TensorRows(Dataset):
@@ -75,11 +74,11 @@ def loader_inputs(dataset: Dataset, collate: Collate | None) -> tuple[Dataset, C
     return dataset, collate or default_collate
 
 
-def planned_batches(dataset: Dataset, order: GlobalSampleOrder, *, rank: int, world_size: int, first_step: int,
+def planned_batches(dataset: Dataset, order: GlobalSampleOrder, *, split: BatchSplit, rank: int, first_step: int,
                     until_step: int, micro_batch_size: int | None, collate: Collate | None, data: DataConfig,
                     pin_memory: bool = False) -> Iterator[Any]:
-    """An iterator over this rank's collated micro-batches of steps [first_step, until_step)."""
-    sampler = PlannedIndices(order, rank=rank, world_size=world_size, first_step=first_step, until_step=until_step,
+    """An iterator over this rank's collated micro-batches of steps [first_step, until_step) under ``split``."""
+    sampler = PlannedIndices(order, split=split, rank=rank, first_step=first_step, until_step=until_step,
                              micro_batch_size=micro_batch_size)
     source, collate_fn = loader_inputs(dataset, collate)
     workers = data.num_workers

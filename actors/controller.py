@@ -42,6 +42,7 @@ from actors.policies import (
     choose_state_source,
     needs_checkpoint_lookup,
     read_drain_notices,
+    stragglers_to_drain,
     workers_missing,
 )
 from actors.run_checkpoints import ForeignCheckpoint, RunCheckpoints
@@ -62,6 +63,7 @@ from actors.run_states import (
     WaitingForWorkers,
 )
 from actors.run_status import RunResult, RunStatus
+from actors.share_book import ShareBook
 from actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
 from jobconfig import JobConfig
 from strategies import build_strategy
@@ -105,6 +107,7 @@ class Controller:
         self.stop_requested = False
         self.pending_drains: dict[str, list[str]] = {}
         """Draining nodes acted on -> their members, which leave at the next step boundary."""
+        self.shares = ShareBook(job.training.global_batch_size, job.scaling.straggler_factor)
         self._actions = {Placing: self._place, Forming: self._form, Running: self._train, Resizing: self._resize,
                          Recovering: self._recover, WaitingForWorkers: self._wait_for_workers,
                          Finishing: self._finish}
@@ -217,13 +220,17 @@ class Controller:
 
     def _train(self, state: Running) -> RunState:
         """Train the generation, judging every poll, until the judge sees an end."""
-        self.group.start_training(self.job.training.steps, [self.faults.for_rank(r) for r in range(self.group.size)])
+        shares = self.shares.split_for(self.group.member_names) if self.job.scaling.balance == "auto" else None
+        self.group.start_training(self.job.training.steps, [self.faults.for_rank(r) for r in range(self.group.size)],
+                                  shares)
         progress, boundary_requested = Progress(self.step, state.recovering_since), False
         while True:
             status = self.group.poll()
             progress = take_in(status, self.log, self.metrics, progress)
             self.step = progress.step
+            self.shares.take_in(status)
             self._act_on_drain_notices(status)
+            self._drain_stragglers(status)
             verdict = self.judge.decide(status)
             if not isinstance(verdict, KeepTraining):
                 break
@@ -231,6 +238,7 @@ class Controller:
                 boundary_requested = self._consider_scaling(status)
         final = self.group.end_generation()
         progress = take_in(final, self.log, self.metrics, progress)
+        self.shares.take_in(final)
         self.step = progress.step
         self.log.close_generation(self.group.generation)
         return self._after_generation(verdict, final, progress.recovering_since)
@@ -281,6 +289,12 @@ class Controller:
             self.group.undrain(node_id=node)
             del self.pending_drains[node]
             self.log.event("node_drain_cancelled", self.step, node_id=node)
+
+    def _drain_stragglers(self, status: GroupStatus) -> None:
+        """A rank that reported itself a straggler leaves at the next step boundary, if min_workers allows."""
+        for rank in stragglers_to_drain(status, min_workers=self.job.scaling.min_workers,
+                                        num_leaving=self.group.num_leaving):
+            self.log.event("worker_draining", self.step, workers=self.group.drain(rank=rank), reason="straggler")
 
     def _resize(self, state: Resizing) -> RunState:
         """At a step boundary: drained workers leave, ready joiners come in. Sharded state the leavers hold is

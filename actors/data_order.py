@@ -2,13 +2,17 @@
 
 The sample stream is the concatenation of one seeded permutation of the data set per epoch.
 Step k consumes positions [k*B, (k+1)*B) of that stream whatever the world size, so a run that
-changes size mid-way still sees every sample of an epoch exactly once. Rank r of w takes the
-contiguous slice [r*B//w, (r+1)*B//w) of the step's samples (sizes differ by at most one).
+changes size mid-way still sees every sample of an epoch exactly once. The ranks take contiguous
+slices of the step's samples, in rank order: by default rank r of w takes [r*B//w, (r+1)*B//w)
+(sizes differ by at most one); a ``BatchSplit`` gives the ranks slices of any sizes (actors/balance.py
+sizes them by each rank's speed). The step's gradient is the same either way: the loss is weighted
+per sample (actors/step_loop.py).
 
 Example::
 
     order = GlobalSampleOrder(num_samples=1000, global_batch_size=64, seed=0)
     mine = order.rank_indices(step=3, rank=1, world_size=3)   # a LongTensor of dataset indices
+    theirs = order.split_indices(step=3, split=BatchSplit((16, 32, 16)), rank=1)  # 32 of them
 """
 
 from __future__ import annotations
@@ -16,6 +20,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How many of each step's samples every rank takes, in rank order (each at least one)."""
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert self.sizes and all(isinstance(s, int) and s >= 1 for s in self.sizes), self.sizes
+
+    @classmethod
+    def even(cls, global_batch_size: int, world_size: int) -> BatchSplit:
+        """Sizes that differ by at most one (``rank_slice``)."""
+        return cls(tuple(stop - start for start, stop in (rank_slice(global_batch_size, r, world_size)
+                                                          for r in range(world_size))))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def global_batch_size(self) -> int:
+        return sum(self.sizes)
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        """[start, stop) of ``rank``'s slice of the step's samples."""
+        start = sum(self.sizes[:rank])
+        return start, start + self.sizes[rank]
 
 
 @dataclass
@@ -34,8 +67,14 @@ class GlobalSampleOrder:
         return self._permutations[epoch]
 
     def rank_indices(self, step: int, rank: int, world_size: int) -> torch.Tensor:
-        """The contiguous part of step ``step``'s global batch that ``rank`` of ``world_size`` trains on."""
-        start, stop = rank_slice(self.global_batch_size, rank, world_size)
+        """The contiguous part of step ``step``'s global batch that ``rank`` of ``world_size`` trains on (an even
+        split)."""
+        return self.split_indices(step, BatchSplit.even(self.global_batch_size, world_size), rank)
+
+    def split_indices(self, step: int, split: BatchSplit, rank: int) -> torch.Tensor:
+        """The part of step ``step``'s global batch that ``rank`` trains on under ``split``."""
+        assert split.global_batch_size == self.global_batch_size, (split, self.global_batch_size)
+        start, stop = split.bounds(rank)
         base = step * self.global_batch_size
         return self._stream_slice(base + start, base + stop)
 
@@ -55,8 +94,14 @@ def rank_slice(global_batch_size: int, rank: int, world_size: int) -> tuple[int,
     return rank * global_batch_size // world_size, (rank + 1) * global_batch_size // world_size
 
 
-def micro_batches(indices: torch.Tensor, micro_batch_size: int | None) -> list[torch.Tensor]:
-    """Split a rank's slice into micro-batches of at most ``micro_batch_size`` samples."""
-    if micro_batch_size is None or micro_batch_size >= len(indices):
-        return [indices]
-    return list(torch.split(indices, micro_batch_size))
+def micro_batch_count(split: BatchSplit, micro_batch_size: int | None) -> int:
+    """How many micro-batches every rank runs in a step: as many as the largest share needs. It is the same on
+    every rank because forward itself runs collectives (FSDP2 gathers parameters, DDP broadcasts buffers)."""
+    return 1 if micro_batch_size is None else -(-max(split.sizes) // micro_batch_size)
+
+
+def micro_batches(indices: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """A rank's slice in ``count`` contiguous micro-batches of near-equal size, in order. A slice of fewer
+    than ``count`` samples is padded with copies of its last sample, which the step weights by 0."""
+    chunks = list(torch.tensor_split(indices, min(count, len(indices))))
+    return chunks + [indices[-1:]] * (count - len(chunks))

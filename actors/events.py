@@ -28,6 +28,7 @@ class _RankReport:
     loss_sum: float
     samples: int
     step_s: float
+    compute_s: float
     bytes_sent: int
     uncompressed_bytes: int
     timings: dict[str, Any]
@@ -93,7 +94,7 @@ class RunLog:
 
     def add_step(self, step: int, finished_at: float, *, generation: int, rank: int, world_size: int,
                  loss_sum: float, samples: int, step_s: float, bytes_sent: int, uncompressed_bytes: int,
-                 **timings: Any) -> dict[str, Any] | None:
+                 compute_s: float = 0.0, **timings: Any) -> dict[str, Any] | None:
         """Record ``rank``'s report of step ``step``; returns the step's row when this report completes
         it (every rank of the generation heard). A step redone in a later generation replaces the
         discarded attempt."""
@@ -103,7 +104,7 @@ class RunLog:
                 self._history_order.append(step)
             if reports is None or reports.generation != generation:
                 reports = self._steps[step] = _StepReports(generation, world_size)
-            reports.by_rank[rank] = _RankReport(finished_at, loss_sum, samples, step_s, bytes_sent,
+            reports.by_rank[rank] = _RankReport(finished_at, loss_sum, samples, step_s, compute_s, bytes_sent,
                                                 uncompressed_bytes, timings)
             if len(reports.by_rank) == world_size:
                 reports.row = self._row(step, reports)
@@ -120,8 +121,8 @@ class RunLog:
             self.add_samples(result.step, result.sample_ids, generation=generation, rank=rank)
         return self.add_step(result.step, result.finished_at, generation=generation, rank=rank, world_size=world_size,
                              loss_sum=result.loss_sum, samples=result.samples, step_s=result.duration_s,
-                             bytes_sent=result.bytes_sent, uncompressed_bytes=result.uncompressed_bytes, lr=result.lr,
-                             grad_norm=round(result.grad_norm, 6), **timings)
+                             bytes_sent=result.bytes_sent, uncompressed_bytes=result.uncompressed_bytes,
+                             compute_s=result.compute_s, lr=result.lr, grad_norm=round(result.grad_norm, 6), **timings)
 
     def close_generation(self, generation: int) -> None:
         """The generation ended: its steps that some rank never reported get rows of what came in."""
@@ -132,8 +133,9 @@ class RunLog:
 
     def _row(self, step: int, reports: _StepReports) -> dict[str, Any]:
         """The history row: loss and samples summed over the ranks heard (all of them, unless one died
-        first), the lowest rank's timings, the step's traffic summed over the ranks."""
-        ranks = reports.by_rank.values()
+        first), the lowest rank's timings, the step's traffic summed over the ranks, and each rank's share of
+        the samples and compute time, in rank order."""
+        ranks = [reports.by_rank[rank] for rank in sorted(reports.by_rank)]
         lowest = reports.by_rank[min(reports.by_rank)]
         samples = sum(r.samples for r in ranks)
         return {"step": step, "time_s": round(lowest.finished_at - self.started, 4),
@@ -141,7 +143,8 @@ class RunLog:
                 "samples_per_s": round(samples / lowest.step_s, 2), "world_size": reports.world_size,
                 "step_s": round(lowest.step_s, 5), **lowest.timings,
                 "bytes_sent": sum(r.bytes_sent for r in ranks),
-                "uncompressed_bytes": sum(r.uncompressed_bytes for r in ranks)}
+                "uncompressed_bytes": sum(r.uncompressed_bytes for r in ranks),
+                "shares": [r.samples for r in ranks], "compute_s": [round(r.compute_s, 5) for r in ranks]}
 
     def add_evaluation(self, step: int, finished_at: float, metrics: dict[str, float]) -> None:
         """A periodic evaluation's metrics, taken after ``step`` (the eval history's row)."""

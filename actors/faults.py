@@ -1,4 +1,5 @@
-"""Fault injection from configuration (``faults: [{action, rank, step}]``): each fault fires once per run.
+"""Fault injection from configuration (``faults: [{action, rank, step}]``): each fault fires once per run;
+a ``throttle`` slows its rank's steps from ``step`` to ``until_step``, in every generation it spans.
 
 The Controller keeps the faults not yet fired (``FaultPlan``) and gives each worker those aimed at
 its rank when a generation starts training; the worker's ``FaultInjector`` checks before each
@@ -13,6 +14,7 @@ executed by the Controller instead: the worker waits inside its step until ``ray
 
     injector = FaultInjector(faults, on_ray_kill=announce)  # worker, per generation
     injector.before_step(30)                              # step loop: fires the faults of step 30
+    injector.throttle_factor(30)                          # 1.0, or a throttle's factor while one is on
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ class FaultPlan:
     def disarm(self, failed_ranks: set[int], step: int) -> None:
         """After a failure at committed step ``step``: drop the faults of steps already begun (up to
         ``step + 1``, on every rank), and the first later one of each failed rank (it may have fired
-        after the last step the Controller heard of)."""
-        fired = [min((f for f in self.pending if f.rank == rank and f.step > step), key=lambda f: f.step,
-                     default=None) for rank in failed_ranks]
-        self.pending = [f for f in self.pending if f.step > step + 1 and f not in fired]
+        after the last step the Controller heard of). A throttle stays until its last step is committed."""
+        throttles = [f for f in self.pending if f.action == "throttle" and (f.until_step or step + 1) > step]
+        fired = [min((f for f in self.pending if f.rank == rank and f.step > step and f.action != "throttle"),
+                     key=lambda f: f.step, default=None) for rank in failed_ranks]
+        self.pending = throttles + [f for f in self.pending
+                                    if f.step > step + 1 and f not in fired and f.action != "throttle"]
 
 
 class FaultInjector:
@@ -67,12 +71,16 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """Fire the faults of ``step`` (1-based), in their order; only ``raise`` returns (by raising)."""
         for fault in self.faults:
-            if fault.step != step:
+            if fault.step != step or fault.action == "throttle":
                 continue
             if fault.action == "ray_kill":
                 self._wait_for_ray_kill()
             else:
                 fire(fault)
+
+    def throttle_factor(self, step: int) -> float:
+        """How many times its compute time step ``step`` (1-based) takes on this rank: 1.0 unless throttled."""
+        return max((f.factor for f in self.faults if f.action == "throttle" and f.active_at(step)), default=1.0)
 
     def _wait_for_ray_kill(self) -> None:
         """Never returns: the Controller sees the announcement and ray.kill()s this actor."""

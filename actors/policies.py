@@ -102,6 +102,15 @@ def read_drain_notices(status: GroupStatus, pending: set[str]) -> DrainNotices:
     return DrainNotices(new, tuple(sorted(pending - status.draining_nodes.keys())))
 
 
+def stragglers_to_drain(status: GroupStatus, *, min_workers: int, num_leaving: int) -> list[int]:
+    """Ranks that reported themselves stragglers in ``status`` and may leave: as many as keep the group, less
+    those already leaving, at ``min_workers`` or more (the slowest first)."""
+    reported = sorted((event.details.get("speed_vs_median", 0.0), news.rank) for news in status.news
+                      for event in news.status.events if event.type == "straggler")
+    room = max(0, len(status.members) - num_leaving - min_workers)
+    return [rank for _, rank in reported[:room]]
+
+
 # -- failures -------------------------------------------------------------------------------------------------
 
 

@@ -28,6 +28,10 @@ EventType = Literal[
     "checkpoint_failed",      # a periodic save failed and the run carried on; ``path``, ``error``
     "checkpoint_rejected",    # a checkpoint failed verification and was skipped; ``path``, ``reason``
     "compiled",               # torch.compile's first step of a generation; ``first_step_s``
+    "shares_changed",         # the batch split follows the ranks' speeds from the next step; ``shares``, ``rates``
+    "straggler",              # a rank slower than straggler_factor, persistently; ``rank``, ``node_id``,
+                              # ``speed_vs_median``
+    "worker_draining",        # a worker leaves at the next step boundary; ``workers``, ``reason``
     "finished",               # the final metrics
 ]
 

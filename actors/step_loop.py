@@ -1,9 +1,10 @@
 """One training step, the same math at every world size.
 
 Each rank runs forward/backward over its slice of the global batch in micro-batches (only the
-last one communicates). The workload's ``training_step`` returns a micro-batch's mean loss; it is
-weighted by the micro-batch's samples times world_size / B, because DDP and FSDP average gradients
-over ranks: the result is the gradient of the mean loss over the global batch. Before each
+last one communicates); the slices may differ in size (``split``: shares by speed, actors/balance.py).
+The workload's ``training_step`` returns a micro-batch's mean loss; it is weighted by the
+micro-batch's samples times world_size / B, because DDP and FSDP average gradients over ranks: the
+result is the gradient of the mean loss over the global batch, however the batch is split. Before each
 micro-batch the RNG is seeded from the run seed, the step and the micro-batch's position in the
 global batch, so dropout masks are a function of the data order, not of the process. The step sets
 the scheduled lr, measures (and optionally clips) the global gradient norm and commits (the optimizer
@@ -25,7 +26,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -33,7 +34,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from actors.batches import planned_batches, to_device
-from actors.data_order import GlobalSampleOrder, micro_batches, rank_slice
+from actors.compute_clock import ComputeClock
+from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, micro_batches
 from actors.recipe import clip_gradients, learning_rate, set_learning_rate
 from jobconfig import DataConfig, OptimConfig
 from strategies.base import Strategy, TrainState
@@ -71,6 +73,8 @@ class StepResult:
     """The learning rate of the step (the first param group's)."""
     grad_norm: float = 0.0
     """The global L2 norm of the step's gradient, before clipping."""
+    compute_s: float = 0.0
+    """This rank's own compute in the step, without waiting for its peers (actors/compute_clock.py)."""
 
 
 @dataclass
@@ -94,28 +98,47 @@ class StepRunner:
     """training.on_nonfinite: what an inf/NaN step does (NonFiniteStep, or a skipped update)."""
     dataset: Dataset | None = None
     """Where ``run`` fetches a step's batches when it is given none (tests, benchmarks)."""
+    split: BatchSplit | None = None
+    """How each step's global batch is split over the ranks (None: evenly over the current group)."""
+    clock: ComputeClock | None = None
+    """Measures each step's compute time (None: the step's duration stands for it)."""
+    _unthrottled_compute_s: float = field(default=0.0, init=False, repr=False)
+    """The last step's compute time less its throttle: what a throttle multiplies."""
+
+    def current_split(self) -> BatchSplit:
+        if self.split is not None and self.split.world_size == dist.get_world_size():
+            return self.split
+        return BatchSplit.even(self.order.global_batch_size, dist.get_world_size())
 
     def batches(self, dataset: Dataset, first_step: int, until_step: int, data: DataConfig | None = None
                 ) -> Iterator[Any]:
         """This rank's micro-batches of steps [first_step, until_step) in the current group, collated by the
         workload's ``collate`` (if it has one), for ``run``."""
-        return planned_batches(dataset, self.order, rank=dist.get_rank(), world_size=dist.get_world_size(),
+        return planned_batches(dataset, self.order, split=self.current_split(), rank=dist.get_rank(),
                                first_step=first_step, until_step=until_step, micro_batch_size=self.micro_batch_size,
                                collate=getattr(self.workload, "collate", None), data=data or DataConfig(),
                                pin_memory=self.device.type == "cuda")
 
-    def run(self, state: TrainState, step_index: int, batches: Iterator[Any] | None = None) -> StepResult:
+    def run(self, state: TrainState, step_index: int, batches: Iterator[Any] | None = None,
+            throttle: float = 1.0) -> StepResult:
         """Train on step ``step_index`` (0-based), its micro-batches taken from ``batches`` (this rank's,
         in order: ``self.batches``; None: fetched from ``self.dataset`` now), and commit it; collectives fail
-        if a peer is lost."""
+        if a peer is lost. ``throttle`` > 1 makes this rank's compute take that many times as long (a test's
+        or demo's slow rank: faults ``throttle``)."""
         started = time.perf_counter()
+        if self.clock is not None:
+            self.clock.start()
+        if throttle > 1:
+            time.sleep((throttle - 1) * self._unthrottled_compute_s)
+        slept = time.perf_counter() - started
         if batches is None:
             batches = self.batches(self.dataset, step_index, step_index + 1)
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        indices = self.order.rank_indices(step_index, rank, world_size)
+        split = self.current_split()
+        indices = self.order.split_indices(step_index, split, rank)
         weight = world_size / self.order.global_batch_size
-        position = rank_slice(self.order.global_batch_size, rank, world_size)[0]
-        chunks = micro_batches(indices, self.micro_batch_size)
+        position = split.bounds(rank)[0]
+        chunks = micro_batches(indices, micro_batch_count(split, self.micro_batch_size))
         loss_sum: torch.Tensor | None = None
         lr = learning_rate(step_index, self.optim, self.total_steps)
         set_learning_rate(state.optimizer, lr)
@@ -123,16 +146,19 @@ class StepRunner:
         for number, chunk in enumerate(chunks):
             batch = to_device(next(batches), self.device)
             seed_rng(step_seed(self.seed, step_index, position), self.device)
-            position += len(chunk)
+            samples = len(chunk) if number < len(indices) else 0  # 0: padding, for the same count on every rank
+            position += samples
             last = number == len(chunks) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(state), self.autocast():
                 loss = self.workload.training_step(state.wrapped, batch)
-            samples_loss = loss.float() * len(chunk)
+            samples_loss = loss.float() * samples
             loss_sum = samples_loss.detach() if loss_sum is None else loss_sum + samples_loss.detach()
             scaled = samples_loss * weight
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         backward_returned = time.perf_counter()
-        consumed = self._gather_sample_ids(indices, world_size) if self.record_samples else None
+        compute_s = self.clock.compute_s(backward_returned - started) if self.clock else backward_returned - started
+        self._unthrottled_compute_s = max(0.0, compute_s - slept)
+        consumed = self._gather_sample_ids(indices, split) if self.record_samples else None
         if self.scaler is not None:
             self.scaler.unscale_(state.optimizer)  # the norm and the clipping see the true gradients
         grad_norm = clip_gradients(state.model.parameters(), self.optim.clip_grad_norm)
@@ -147,7 +173,7 @@ class StepRunner:
         timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
         return StepResult(step=step_index + 1, loss_sum=loss_value, samples=len(indices),
                           duration_s=time.perf_counter() - started, finished_at=time.time(),
-                          sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm,
+                          sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm, compute_s=compute_s,
                           bytes_sent=traffic.bytes_sent if traffic else 0,
                           uncompressed_bytes=traffic.uncompressed_bytes if traffic else 0,
                           comm_s=timing.comm_s if timing else None,
@@ -177,12 +203,11 @@ class StepRunner:
         self.scaler.update()
         return self.scaler.get_scale() < scale_before
 
-    def _gather_sample_ids(self, indices: torch.Tensor, world_size: int) -> tuple[int, ...]:
+    def _gather_sample_ids(self, indices: torch.Tensor, split: BatchSplit) -> tuple[int, ...]:
         """Every rank's sample ids of this step, in rank order, as each rank reports them (the ledger)."""
-        width = -(-self.order.global_batch_size // world_size)
-        padded = torch.full((width,), -1, dtype=torch.int64)
+        padded = torch.full((max(split.sizes),), -1, dtype=torch.int64)
         padded[: len(indices)] = indices
-        parts = [torch.empty_like(padded, device=self.device) for _ in range(world_size)]
+        parts = [torch.empty_like(padded, device=self.device) for _ in range(split.world_size)]
         dist.all_gather(parts, padded.to(self.device))
         return tuple(i for part in parts for i in part.tolist() if i >= 0)
 

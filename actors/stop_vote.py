@@ -10,6 +10,10 @@ one tiny all-reduce every ~25 steps instead of one every step (a gloo round trip
 on a small machine: a quarter of such a step). The all-reduce starts before the step and is awaited
 after it, so it overlaps the step's compute. The first step of a generation always votes.
 
+With ``share_rates``, the ballot also carries one slot per rank: each rank fills its own with its
+compute rate (the rest 0), so after the MAX every rank holds every rank's rate (``rates``), the
+same figures everywhere, for actors/balance.py.
+
 Usage, in the step loop of every rank::
 
     vote = StopVote(first_step=step, device=device)
@@ -48,10 +52,12 @@ def proposed_interval(step_s: float | None) -> int:
 class StopVote:
     """The votes of one process-group generation, on the current default group."""
 
-    def __init__(self, first_step: int, device: torch.device) -> None:
+    def __init__(self, first_step: int, device: torch.device, share_rates: bool = False) -> None:
         self.next_vote_step = first_step
         """The 0-based step index of the next vote: the same on every rank."""
-        self._ballot = torch.zeros(2, device=device)
+        self._ballot = torch.zeros(2 + (dist.get_world_size() if share_rates else 0), device=device)
+        self.rates: tuple[float, ...] = ()
+        """After ``close`` with ``share_rates``: every rank's rate as cast in that vote, in rank order."""
         self._work: dist.Work | None = None
         self._last_vote: tuple[int, float] | None = None
         """(step index, time.perf_counter()) of this rank's previous vote: its measured step time."""
@@ -59,15 +65,20 @@ class StopVote:
     def due(self, step_index: int) -> bool:
         return step_index == self.next_vote_step
 
-    def open(self, step_index: int, *, stop: bool) -> None:
-        """Cast this rank's vote for stopping after step ``step_index``; call before training that step."""
+    def open(self, step_index: int, *, stop: bool, rate: float = 0.0) -> None:
+        """Cast this rank's vote for stopping after step ``step_index`` (and its ``rate``, when rates are
+        shared); call before training that step."""
         now = time.perf_counter()
         step_s = None
         if self._last_vote is not None:
             last_step, last_time = self._last_vote
             step_s = (now - last_time) / (step_index - last_step)
         self._last_vote = (step_index, now)
-        self._ballot.copy_(torch.tensor([float(stop), -float(proposed_interval(step_s))]))
+        ballot = torch.zeros(len(self._ballot))
+        ballot[0], ballot[1] = float(stop), -float(proposed_interval(step_s))
+        if len(ballot) > 2:
+            ballot[2 + dist.get_rank()] = rate
+        self._ballot.copy_(ballot)
         if dist.get_world_size() > 1:
             self._work = dist.all_reduce(self._ballot, op=dist.ReduceOp.MAX, async_op=True)
 
@@ -76,6 +87,7 @@ class StopVote:
         if self._work is not None:
             self._work.wait()  # a peer lost meanwhile fails here, if the step itself did not already
             self._work = None
-        stop, negative_interval = self._ballot.tolist()
+        stop, negative_interval, *rates = self._ballot.tolist()
+        self.rates = tuple(rates)
         self.next_vote_step = step_index + int(-negative_interval)
         return stop > 0

@@ -1,12 +1,15 @@
 """A worker's step loop, in a thread of its own so that the actor keeps answering ``poll`` while it trains.
 
 Each step: the injected faults of the step, a stop vote when one is due, the step itself, its
-result to the status mailbox, the profiler, a periodic save and a periodic evaluation. The loop
-ends at ``until_step`` ("finished"), after a stop vote ("stopped") or on an error ("failed", with
-its cause)::
+result to the status mailbox, the profiler, a periodic save and a periodic evaluation. With
+``balance`` on, each vote also hands every rank's compute rate to every rank, and the batch split
+follows them (actors/balance.py): a new split takes effect at the step after the vote, on every rank.
+The loop ends at ``until_step`` ("finished"), after a stop vote ("stopped") or on an error ("failed",
+with its cause)::
 
     loop = TrainingLoop(runner=runner, dataset=dataset, evaluator=evaluator, saver=saver, status=status,
-                        device=device, training=spec.training, data=spec.data, eval=spec.eval)
+                        device=device, training=spec.training, data=spec.data, eval=spec.eval,
+                        balance=BalanceSettings(enabled=True, straggler_factor=4.0, node_id=node))
     loop.start(state, until_step=100, injector=FaultInjector(faults, on_ray_kill=...))
     loop.request_stop()                 # every rank stops after the same step
     loop.leave(collective_timeout_s=60)  # before joining another group; raises TrainingThreadHung
@@ -15,9 +18,11 @@ its cause)::
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +30,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from actors.async_saver import AsyncSaver
+from actors.balance import Balancer
 from actors.evaluation import Evaluator
 from actors.failures import is_peer_loss
 from actors.faults import FaultInjector
@@ -44,10 +50,36 @@ class TrainingThreadHung(RuntimeError):
     """The step-loop thread did not end when asked: the Controller replaces this worker."""
 
 
+@dataclass(frozen=True)
+class BalanceSettings:
+    enabled: bool = False
+    """scaling.balance=auto: the split follows the ranks' measured speeds."""
+    straggler_factor: float = 4.0
+    node_id: str = ""
+    """This worker's node, named in its ``straggler`` event."""
+
+
+class RateMeter:
+    """Samples and compute seconds since the last vote: this rank's rate to cast."""
+
+    def __init__(self) -> None:
+        self.samples, self.compute_s = 0, 0.0
+
+    def add(self, samples: int, compute_s: float) -> None:
+        self.samples += samples
+        self.compute_s += compute_s
+
+    def take(self) -> float:
+        rate = self.samples / self.compute_s if self.compute_s > 0 else 0.0
+        self.samples, self.compute_s = 0, 0.0
+        return rate
+
+
 class TrainingLoop:
     def __init__(self, *, runner: StepRunner, dataset: Dataset, evaluator: Evaluator, saver: AsyncSaver,
                  status: StatusMailbox, device: torch.device, training: TrainingConfig, data: DataConfig,
-                 eval: EvalConfig, profile_dir: str | None = None) -> None:
+                 eval: EvalConfig, profile_dir: str | None = None, balance: BalanceSettings = BalanceSettings()
+                 ) -> None:
         self.runner = runner
         self.dataset = dataset
         self.evaluator = evaluator
@@ -59,6 +91,7 @@ class TrainingLoop:
         self.eval = eval
         self.profile_dir = profile_dir
         """Where rank 0 writes its torch profiler trace when training.profile_steps > 0."""
+        self.balance = balance
         self._stop_requested = threading.Event()
         self._thread: threading.Thread | None = None
         self._profiled = False
@@ -107,16 +140,20 @@ class TrainingLoop:
 
     def _steps(self, state: TrainState, until_step: int, injector: FaultInjector, profiler: Any) -> None:
         status, compiling = self.status, self.training.compile
-        vote = StopVote(first_step=status.step, device=self.device)
+        balancer = (Balancer(self.runner.current_split(), self.balance.straggler_factor)
+                    if self.balance.enabled and dist.get_world_size() > 1 else None)
+        vote = StopVote(first_step=status.step, device=self.device, share_rates=balancer is not None)
+        meter = RateMeter()
         batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
         while status.step < until_step:
             injector.before_step(status.step + 1)
             step_index = status.step
             voting = vote.due(step_index)
             if voting:
-                vote.open(step_index, stop=self._stop_requested.is_set())
+                vote.open(step_index, stop=self._stop_requested.is_set(), rate=meter.take())
             with status.step_in_flight():
-                result = self.runner.run(state, step_index, batches)
+                result = self.runner.run(state, step_index, batches, throttle=injector.throttle_factor(step_index + 1))
+            meter.add(result.samples, result.compute_s)
             # torch.compile compiles lazily, in the generation's first step
             status.commit(result, Event("compiled", result.step, details={"first_step_s": round(result.duration_s, 3)})
                           if compiling else None)
@@ -124,6 +161,8 @@ class TrainingLoop:
             # Only now: the optimizer has stepped, so a vote that fails (a peer lost since its gradients
             # arrived) must find the step counted, or the next generation would train this step again.
             stop = vote.close(step_index) if voting else False
+            if voting and balancer is not None and self._rebalance(balancer, vote.rates):
+                batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
             if profiler is not None:
                 profiler.step()
             self.saver.after_step(status.step)
@@ -133,6 +172,23 @@ class TrainingLoop:
                 status.set_phase("stopped")
                 return
         status.set_phase("finished")
+
+    def _rebalance(self, balancer: Balancer, rates: tuple[float, ...]) -> bool:
+        """Take a vote's rates; True when the split changes from the next step on (the same on every rank)."""
+        decision = balancer.decide(rates)
+        rank = dist.get_rank()
+        if rank in decision.stragglers:
+            others = statistics.median(r for i, r in enumerate(balancer.rates) if i != rank)
+            self.status.post_event(Event("straggler", self.status.step, details={
+                "rank": rank, "node_id": self.balance.node_id,
+                "speed_vs_median": round(balancer.rates[rank] / others, 3)}))
+        if decision.split is None:
+            return False
+        self.runner.split = decision.split
+        if rank == 0:
+            self.status.post_event(Event("shares_changed", self.status.step, details={
+                "shares": list(decision.split.sizes), "rates": [round(r, 1) for r in balancer.rates]}))
+        return True
 
     def _evaluate_periodically(self, state: TrainState) -> None:
         metrics = self.evaluator.run(state.model)

@@ -32,14 +32,15 @@ import torch
 import torch.distributed as dist
 
 from actors.async_saver import AsyncSaver
-from actors.data_order import GlobalSampleOrder
+from actors.compute_clock import ComputeClock
+from actors.data_order import BatchSplit, GlobalSampleOrder
 from actors.evaluation import Evaluator
 from actors.faults import FaultInjector
 from actors.mailbox import StatusMailbox, WorkerStatus
 from actors.priority import run_at_normal_priority
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
-from actors.training_loop import TrainingLoop, TrainingThreadHung
+from actors.training_loop import BalanceSettings, TrainingLoop, TrainingThreadHung
 from jobconfig import (
     DataConfig,
     EvalConfig,
@@ -78,6 +79,10 @@ class WorkerSpec:
     checkpointer: Checkpointer
     profile_dir: str | None = None
     """Where rank 0 writes its torch profiler trace when training.profile_steps > 0."""
+    balance: str = "auto"
+    """scaling.balance: "auto", the batch split follows the ranks' speeds; "off", even."""
+    straggler_factor: float = 4.0
+    """scaling.straggler_factor."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ class TrainWorker:
             micro_batch_size=training.micro_batch_size, device=self.device, optim=spec.optim,
             total_steps=training.steps, seed=training.seed, record_samples=training.record_samples,
             precision=training.precision, scaler=torch.amp.GradScaler("cuda") if training.precision == "fp16" else None,
-            on_nonfinite=training.on_nonfinite)
+            on_nonfinite=training.on_nonfinite, clock=ComputeClock(self.device))
         self.evaluator = Evaluator(self.workload, batch_size=spec.eval.batch_size, device=self.device,
                                    autocast=self.runner.autocast)
         self.status = StatusMailbox()
@@ -119,7 +124,10 @@ class TrainWorker:
                                 status=self.status)
         self.loop = TrainingLoop(runner=self.runner, dataset=dataset, evaluator=self.evaluator, saver=self.saver,
                                  status=self.status, device=self.device, training=training, data=spec.data,
-                                 eval=spec.eval, profile_dir=spec.profile_dir)
+                                 eval=spec.eval, profile_dir=spec.profile_dir,
+                                 balance=BalanceSettings(enabled=spec.balance == "auto",
+                                                         straggler_factor=spec.straggler_factor,
+                                                         node_id=ray.get_runtime_context().get_node_id()))
         self.state: TrainState | None = None
         self.checkpoint_group: dist.ProcessGroup | None = None
         self._state_intact = True
@@ -158,6 +166,7 @@ class TrainWorker:
         self.state = self.strategy.setup(self._build_model, self.build_optimizer, self.device, previous, context)
         if self.spec.training.compile:
             self.state.wrapped = torch.compile(self.state.wrapped)
+        self.runner.clock.attach(self.state.model)
         self.saver.attach(self.state, self.checkpoint_group)
         if previous is None and not self.strategy.replicated:
             self.status.step = 0
@@ -217,11 +226,14 @@ class TrainWorker:
         """The live state is the run's from now on: a copy kept from an earlier generation is obsolete."""
         self._kept, self._holds_run_state = None, True
 
-    def train(self, until_step: int, faults: tuple[FaultConfig, ...] = ()) -> None:
+    def train(self, until_step: int, faults: tuple[FaultConfig, ...] = (), shares: tuple[int, ...] | None = None
+              ) -> None:
         """Start the step loop in a thread; it runs until ``until_step``, a stop vote, or an error.
 
-        ``faults`` are the injected faults aimed at this worker's rank in this generation.
+        ``faults`` are the injected faults aimed at this worker's rank in this generation; ``shares`` how many
+        of each step's samples every rank takes at first (None: even shares).
         """
+        self.runner.split = BatchSplit(tuple(shares)) if shares else None
         injector = FaultInjector(faults, on_ray_kill=functools.partial(self.status.set_phase, "awaiting_kill"))
         self._now_holds_run_state()
         self.loop.start(self.state, until_step, injector)

@@ -86,7 +86,7 @@ class WorkerGroup:
         spec = WorkerSpec(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
                           data=job.data, eval=job.eval, use_gpu=scaling.use_gpu,
                           torch_threads=max(1, int(scaling.cpus_per_worker)), checkpointer=checkpointer,
-                          profile_dir=profile_dir)
+                          profile_dir=profile_dir, balance=scaling.balance, straggler_factor=scaling.straggler_factor)
         shape = SlotShape(cpus=scaling.cpus_per_worker, gpus=int(scaling.use_gpu),
                           custom=dict(scaling.resources_per_worker))
         slots = (ReservedSlots(reserved.placement_group, list(reserved.bundle_indices), shape) if reserved
@@ -263,11 +263,13 @@ class WorkerGroup:
             raise MembersFailed([LostWorker(member.name, death_reason(error), rank)]) from None
 
     # -- training -------------------------------------------------------------------------------------------
-    def start_training(self, until_step: int, faults: list[tuple[FaultConfig, ...]]) -> None:
-        """Every member starts its step loop (with ``faults[rank]``, the injected faults aimed at it)."""
+    def start_training(self, until_step: int, faults: list[tuple[FaultConfig, ...]],
+                       shares: tuple[int, ...] | None = None) -> None:
+        """Every member starts its step loop (with ``faults[rank]``, the injected faults aimed at it, and the batch
+        split ``shares``: None, even)."""
         members = list(self.membership.members)
         try:
-            ray.get([m.actor.train.remote(until_step, faults[rank]) for rank, m in enumerate(members)])
+            ray.get([m.actor.train.remote(until_step, faults[rank], shares) for rank, m in enumerate(members)])
         except ray.exceptions.RayActorError as error:
             poller = GenerationPoller(members, wait_s=0.0)
             ray.wait(list(poller.polls.values()), num_returns=len(members), timeout=1.0)

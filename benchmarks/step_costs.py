@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from actors import step_loop
 from actors.batches import planned_batches, to_device
-from actors.data_order import GlobalSampleOrder
+from actors.data_order import BatchSplit, GlobalSampleOrder
 from actors.recipe import clip_gradients, learning_rate, optimizer_factory, set_learning_rate
 from actors.step_loop import StepRunner, seed_rng, step_seed
 from actors.stop_vote import StopVote
@@ -90,8 +90,9 @@ def make_step(variant: str, sections: dict) -> Callable[[int], None]:
                         precision=job.training.precision)
     # One DataLoader over the coming batches, as TrainWorker makes (StepRunner.batches); rounds repeat step
     # numbers, so a batch's samples need not be step k's: only the time matters here.
-    batches = planned_batches(dataset, runner.order, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                              first_step=0, until_step=10**7, micro_batch_size=None,
+    split = BatchSplit.even(runner.order.global_batch_size, dist.get_world_size())
+    batches = planned_batches(dataset, runner.order, split=split, rank=dist.get_rank(), first_step=0, until_step=10**7,
+                              micro_batch_size=None,
                               collate=getattr(workload, "collate", None), data=job.data)
     if variant == "-loader":
         batches = step_batches(workload, job, runner.order, dist.get_rank(), dist.get_world_size(), 10**7)
@@ -200,8 +201,8 @@ def piece_costs(sections: dict, repeats: int = 7) -> dict[str, float]:
     order = GlobalSampleOrder(len(dataset), GLOBAL_BATCH, seed=0)
     share = order.rank_indices(0, 0, 2).tolist()
     collate = getattr(workload, "collate", None)
-    loader = planned_batches(dataset, order, rank=0, world_size=2, first_step=0, until_step=10**7,
-                             micro_batch_size=None, collate=collate, data=job.data)
+    loader = planned_batches(dataset, order, split=BatchSplit.even(GLOBAL_BATCH, 2), rank=0, first_step=0,
+                             until_step=10**7, micro_batch_size=None, collate=collate, data=job.data)
     batch = next(loader)
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if job.training.precision == "bf16"
                 else torch.autocast("cpu", enabled=False))

@@ -157,9 +157,12 @@ def print_status(run: str, report: StatusReport, out: Console) -> None:
               f"world size {status.world_size}  failures {status.failures}")
     if (row := report.last_row) is not None:
         out.print(f"last step {row['step']}: loss {row['loss']:.4f}  {row['samples_per_s']:.0f} samples/s")
-    out.print("members (rank, worker, node):")
+    row = report.last_row if report.last_row and report.last_row.get("world_size") == len(status.members) else {}
+    shares, compute = row.get("shares") or [], row.get("compute_s") or []
+    out.print("members (rank, worker, node; the last step's share of the samples and compute time):")
     for rank, name in enumerate(status.members):
-        out.print(f"  {rank}  {name}  {report.nodes.get(name, 'node unknown (no dashboard)')}")
+        measured = f"  {shares[rank]} samples  {compute[rank] * 1000:.1f} ms" if rank < len(compute) else ""
+        out.print(f"  {rank}  {name}  {report.nodes.get(name, 'node unknown (no dashboard)')}{measured}")
     out.print(f"recent events (last {RECENT_EVENTS}):")
     for event in status.events:
         out.print(f"  {format_event(event)}")

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal, get_args
 
 from jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require, require_seconds
 
-FaultAction = Literal["kill", "ray_kill", "stall", "raise", "remove_node"]
+FaultAction = Literal["kill", "ray_kill", "stall", "raise", "remove_node", "throttle"]
 FAULT_ACTIONS: tuple[str, ...] = get_args(FaultAction)
 
 
@@ -28,6 +28,14 @@ class ScalingConfig:
     """Workers kept started and idle (workload, data and model built), each in a slot of its own: a failure or a
     scale-up takes one at the next step boundary instead of starting a process, and a new spare starts
     behind it."""
+    balance: Literal["off", "auto"] = "auto"
+    """auto: each rank's share of the global batch follows its measured speed (same gradient; see
+    actors/balance.py), changed only when that predicts a step at least 10% shorter, so equal ranks keep
+    equal shares; off: equal shares always."""
+    straggler_factor: float = 4.0
+    """A rank's share never drops below the even share over this factor; a rank slower than the others'
+    median by more than it, persistently, is reported (event ``straggler``) and drained when
+    min_workers allows. > 1."""
     placement_timeout_s: float = 120.0
     """How long to wait for min_workers to be placed, at the start and after failures, before failing; in
     [10 s, a day]. Waiting after a failure includes starting the replacement (a process importing torch
@@ -52,6 +60,11 @@ class ScalingConfig:
                                  f"{self.resources_per_worker!r}")
         require(is_non_negative_int(self.spare_workers), "scaling.spare_workers", "an integer >= 0",
                 self.spare_workers)
+        if isinstance(self.balance, bool):  # YAML reads a bare off as false
+            object.__setattr__(self, "balance", "auto" if self.balance else "off")
+        require(self.balance in ("off", "auto"), "scaling.balance", one_of(("off", "auto")), self.balance)
+        require(is_number(self.straggler_factor) and self.straggler_factor > 1, "scaling.straggler_factor",
+                "a number > 1", self.straggler_factor)
         require_seconds(self.placement_timeout_s, "scaling.placement_timeout_s", low=10)
 
 
@@ -83,7 +96,8 @@ class FailureConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class FaultConfig:
-    """A fault to inject, for tests and demos: ``{action: kill, rank: 1, step: 30}``; every field is required."""
+    """A fault to inject, for tests and demos: ``{action: kill, rank: 1, step: 30}``, or a slow rank:
+    ``{action: throttle, rank: 2, step: 1, factor: 2.0, until_step: 300}``."""
 
     ALLOWED: ClassVar[dict[str, str]] = {"action": one_of(FAULT_ACTIONS), "rank": "a non-negative integer",
                                          "step": "a positive integer"}
@@ -95,9 +109,26 @@ class FaultConfig:
     rank: int
     """The rank, in the generation running at that step, that the fault hits."""
     step: int
-    """The fault hits while this step (1-based) is in flight; it fires once per run."""
+    """The fault hits while this step (1-based) is in flight; it fires once per run. A throttle starts there."""
+    factor: float = 1.0
+    """throttle only: the rank's steps take this many times their compute time (> 1), as a slower GPU's would."""
+    until_step: int | None = None
+    """throttle only: the last step it slows (None: to the end of the run)."""
 
     def __post_init__(self) -> None:
         require(self.action in FAULT_ACTIONS, "faults[].action", self.ALLOWED["action"], self.action)
         require(is_non_negative_int(self.rank), "faults[].rank", self.ALLOWED["rank"], self.rank)
         require(is_positive_int(self.step), "faults[].step", self.ALLOWED["step"], self.step)
+        if self.action != "throttle":
+            if self.factor != 1.0 or self.until_step is not None:
+                raise ValueError(f"faults[].factor and faults[].until_step are for action throttle only, got "
+                                 f"action {self.action!r} with factor {self.factor!r}, until_step {self.until_step!r}")
+            return
+        require(is_number(self.factor) and self.factor > 1, "faults[].factor", "a number > 1 for a throttle",
+                self.factor)
+        require(self.until_step is None or (is_positive_int(self.until_step) and self.until_step >= self.step),
+                "faults[].until_step", f"None or a step >= faults[].step ({self.step})", self.until_step)
+
+    def active_at(self, step: int) -> bool:
+        """A throttle: whether it slows step ``step`` (1-based)."""
+        return self.step <= step and (self.until_step is None or step <= self.until_step)

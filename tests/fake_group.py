@@ -136,7 +136,7 @@ class FakeGroup:
         self._call(method)
         return {}
 
-    def start_training(self, until_step: int, faults: list) -> None:
+    def start_training(self, until_step: int, faults: list, shares: tuple[int, ...] | None = None) -> None:
         self._call("train")
         self.until_step = until_step
         self.phase = {name: "training" for name in self.members}

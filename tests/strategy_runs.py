@@ -7,12 +7,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from actors.data_order import GlobalSampleOrder
+from actors.data_order import BatchSplit, GlobalSampleOrder
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
 from jobconfig import OptimConfig, StrategyConfig
 from strategies import build_strategy
-from strategies.base import init_optimizer_state
+from strategies.base import GroupContext, init_optimizer_state
 from strategies.checkpoint import Checkpointer, load_into
 from workloads import load_workload
 
@@ -23,12 +23,14 @@ GLOBAL_BATCH = 12
 OPTIMIZERS = {"adamw": OptimConfig(name="adamw", lr=1e-2), "sgd": OptimConfig(name="sgd", lr=0.2, momentum=0.9)}
 
 
-def setup(strategy_name: str, optimizer: str = "adamw", replicas: int = 1):
+def setup(strategy_name: str, optimizer: str = "adamw", replicas: int = 1, options: dict | None = None):
+    """``options``: further StrategyConfig fields (compression, hierarchical: ranks 0 and 1 share a "node")."""
     workload = load_workload(*WORKLOAD)
-    strategy = build_strategy(StrategyConfig(name=strategy_name, replicas=replicas))
+    strategy = build_strategy(StrategyConfig(name=strategy_name, replicas=replicas, **(options or {})))
     torch.manual_seed(0)
+    nodes = tuple("node-a" if rank < 2 else "node-b" for rank in range(dist.get_world_size()))
     state = strategy.setup(workload.build_model, optimizer_factory(OPTIMIZERS[optimizer]), torch.device("cpu"),
-                           None)
+                           None, GroupContext(node_ids=nodes, completed_steps=0))
     dataset = workload.train_dataset()
     runner = StepRunner(workload=workload, dataset=dataset, strategy=strategy, optim=OPTIMIZERS[optimizer],
                         total_steps=10**6,
@@ -38,9 +40,12 @@ def setup(strategy_name: str, optimizer: str = "adamw", replicas: int = 1):
 
 
 def train_and_report(strategy_name: str, steps: int, checkpoint_root: str | None = None,
-                     optimizer: str = "adamw", replicas: int = 1) -> dict[str, Any]:
-    """Train ``steps`` steps; optionally checkpoint; return the full (gathered) canonical state."""
-    strategy, state, runner = setup(strategy_name, optimizer, replicas)
+                     optimizer: str = "adamw", replicas: int = 1, shares: tuple[int, ...] | None = None,
+                     options: dict | None = None) -> dict[str, Any]:
+    """Train ``steps`` steps (the ranks taking ``shares`` of each batch; None: even shares); optionally
+    checkpoint; return the full (gathered) canonical state."""
+    strategy, state, runner = setup(strategy_name, optimizer, replicas, options)
+    runner.split = BatchSplit(shares) if shares else None
     for step in range(steps):
         runner.run(state, step)
     if checkpoint_root is not None:

@@ -107,6 +107,16 @@ BAD_OVERRIDES = [
     pytest.param(["training.steps=10", "faults=[{action: kill, rank: 1, step: 11}]"],
                  ["faults[0].step", "at most training.steps (10)"], id="fault-step-never-runs"),
     pytest.param(["faults={action: kill, rank: 1, step: 3}"], ["faults must be a list"], id="faults-not-a-list"),
+    pytest.param(["faults=[{action: throttle, rank: 1, step: 3, factor: 0.5}]"],
+                 ["faults[].factor must be a number > 1 for a throttle", "got 0.5"], id="throttle-speeds-up"),
+    pytest.param(["faults=[{action: throttle, rank: 1, step: 3, factor: 2, until_step: 2}]"],
+                 ["faults[].until_step must be None or a step >= faults[].step (3)"], id="throttle-ends-first"),
+    pytest.param(["faults=[{action: kill, rank: 1, step: 3, factor: 2}]"],
+                 ["faults[].factor and faults[].until_step are for action throttle only"], id="kill-with-factor"),
+    pytest.param(["scaling.balance=sometimes"], ["scaling.balance must be one of off, auto", "'sometimes'"],
+                 id="balance-unknown"),
+    pytest.param(["scaling.straggler_factor=1"], ["scaling.straggler_factor must be a number > 1"],
+                 id="straggler-factor-1"),
     pytest.param(["scaling.resources_per_worker={CPU: 2}"],
                  ["scaling.resources_per_worker cannot reserve CPU", "scaling.cpus_per_worker"], id="resources-cpu"),
     pytest.param(["scaling.resources_per_worker={GPU: 1, worker_slot: 1}"],
@@ -169,6 +179,13 @@ def test_unreadable_yaml_file_is_named(tmp_path, name):
     with pytest.raises(ValueError, match="cannot read it") as raised:
         load_job_config(path)
     assert str(raised.value).startswith(f"--config {path}:")
+
+
+def test_balance_off_in_yaml_is_off_not_false(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("scaling:\n  balance: off\n")  # YAML 1.1 reads a bare off as false
+    assert load_job_config(path, []).scaling.balance == "off"
+    assert load_job_config(None, []).scaling.balance == "auto"
 
 
 def test_empty_yaml_file_gives_defaults(tmp_path):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from actors.data_order import GlobalSampleOrder, micro_batches, rank_slice
+from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, micro_batches, rank_slice
 from jobconfig import TrainingConfig
 from tests.helpers import step_indices
 
@@ -103,10 +103,17 @@ def test_rank_slices_tile_the_batch(global_batch_size):
 
 
 @pytest.mark.parametrize(("micro_batch_size", "expected_sizes"), [
-    (None, [10]), (10, [10]), (64, [10]), (3, [3, 3, 3, 1]), (5, [5, 5]), (1, [1] * 10),
+    (None, [10]), (10, [10]), (64, [10]), (3, [3, 3, 2, 2]), (5, [5, 5]), (1, [1] * 10),
 ])
 def test_micro_batches_split_in_order(micro_batch_size, expected_sizes):
     indices = torch.randperm(10, generator=torch.Generator().manual_seed(0))
-    chunks = micro_batches(indices, micro_batch_size)
+    chunks = micro_batches(indices, micro_batch_count(BatchSplit((10, 7)), micro_batch_size))
     assert [len(c) for c in chunks] == expected_sizes
     assert torch.equal(torch.cat(chunks), indices)
+
+
+def test_every_rank_runs_as_many_micro_batches_as_the_largest_share_needs():
+    split = BatchSplit((2, 9))
+    assert micro_batch_count(split, 3) == 3
+    small = micro_batches(torch.tensor([5, 6]), 3)  # fewer samples than micro-batches: padded with the last
+    assert [c.tolist() for c in small] == [[5], [6], [6]]

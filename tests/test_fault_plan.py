@@ -54,3 +54,22 @@ def test_the_injector_fires_a_fault_before_its_step_only():
         injector.before_step(3)
     injector.before_step(4)
     assert announced == []
+
+
+def throttle(rank: int, step: int, factor: float, until_step: int | None = None) -> FaultConfig:
+    return FaultConfig(action="throttle", rank=rank, step=step, factor=factor, until_step=until_step)
+
+
+def test_a_throttle_slows_its_steps_and_no_others():
+    injector = FaultInjector([throttle(1, 10, 3.0, until_step=20)], on_ray_kill=lambda: None)
+    assert [injector.throttle_factor(step) for step in (9, 10, 20, 21)] == [1.0, 3.0, 3.0, 1.0]
+    injector.before_step(10)  # fires nothing: the step loop asks for the factor instead
+    assert FaultInjector([throttle(0, 5, 2.0)], on_ray_kill=lambda: None).throttle_factor(10**6) == 2.0
+
+
+def test_a_throttle_outlives_failures_until_its_last_step():
+    plan = FaultPlan([throttle(1, 1, 2.0, until_step=50), throttle(2, 1, 2.0), fault(1, 30)])
+    plan.disarm(failed_ranks={1}, step=40)
+    assert plan.pending == [throttle(1, 1, 2.0, until_step=50), throttle(2, 1, 2.0)]
+    plan.disarm(failed_ranks=set(), step=50)
+    assert plan.pending == [throttle(2, 1, 2.0)]

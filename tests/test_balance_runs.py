@@ -1,0 +1,84 @@
+"""Batch shares by speed in real runs on a local Ray (gloo): a throttled rank gets a smaller share, gets it
+back when the throttle is lifted, and a straggler is drained; every run ends with the parameters of an
+equal-split, unthrottled run of the same job, every sample applied exactly once."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from actors.balance import REBALANCE_GAIN
+from cluster.job import train
+from tests.helpers import applied_samples, assert_states_close, job, load_model
+from workloads.digits import Digits
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+STEPS = 160
+THROTTLED_UNTIL = 100
+BASE = (f"training.steps={STEPS}", "training.global_batch_size=96", "training.record_samples=true",
+        "workload.options={hidden: 2048}", "scaling.min_workers=2", "scaling.max_workers=2",
+        "optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9")
+"""SGD: other shares sum each gradient in another order, and Adam would turn that float noise on the
+gradients of near-dead units (~1e-9) into whole lr-sized moves. Two workers on this 2-core machine: a
+third would share a core, and a throttled rank's sleep hands its core to the others, which a real slow
+GPU does not (their measured speeds would follow the throttle)."""
+NUM_TRAIN_SAMPLES = len(Digits().train_dataset())
+
+
+@pytest.fixture(scope="module")
+def equal_split(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("equal")
+    result = train(job(*BASE, "scaling.balance=off", name="equal"), run_dir=run_dir)
+    assert all(max(row["shares"]) - min(row["shares"]) <= 1 for row in result.history)
+    return result, load_model(run_dir)
+
+
+def assert_same_training(result, state, equal_split):
+    reference, reference_state = equal_split
+    assert result.final_step == STEPS
+    assert applied_samples(result.ledger, STEPS, NUM_TRAIN_SAMPLES) == \
+        applied_samples(reference.ledger, STEPS, NUM_TRAIN_SAMPLES)
+    assert_states_close(state, reference_state, atol=1e-5)  # float noise of other summation orders: ~1e-6
+
+
+def share_ratio(rows, rank: int) -> float:
+    """``rank``'s median share over the others' median share, in ``rows``."""
+    def others(shares: list[int]) -> float:
+        return statistics.median(s for r, s in enumerate(shares) if r != rank)
+
+    return statistics.median(row["shares"][rank] / others(row["shares"]) for row in rows)
+
+
+def test_a_throttled_rank_gets_a_smaller_share_and_gets_it_back(tmp_path, equal_split):
+    run_dir = tmp_path / "throttled"
+    throttle = f"faults=[{{action: throttle, rank: 1, step: 1, factor: 2.0, until_step: {THROTTLED_UNTIL}}}]"
+    result = train(job(*BASE, throttle, name="throttled"), run_dir=run_dir)
+    assert_same_training(result, load_model(run_dir), equal_split)
+    rows = {row["step"]: row for row in result.history}
+    throttled = [rows[s] for s in range(THROTTLED_UNTIL - 30, THROTTLED_UNTIL + 1)]
+    during = share_ratio(throttled, 1)
+    assert during < 0.8  # it takes fewer samples ...
+    imbalance = statistics.median(max(row["compute_s"]) / min(row["compute_s"]) for row in throttled)
+    assert imbalance < 1.5  # ... so that both ranks compute about as long (equal shares: ~2x)
+    changes = [e for e in result.events if e.type == "shares_changed"]
+    assert changes and changes[0].time_s - result.history[0]["time_s"] < 5.0
+    # Once the throttle is lifted its share grows back, until a change would gain less than REBALANCE_GAIN (a
+    # step's fixed costs make that a few samples short of even shares).
+    lifted = [rows[s] for s in range(STEPS - 10, STEPS + 1)]
+    assert share_ratio(lifted, 1) > during + 0.15
+    assert statistics.median(max(row["compute_s"]) / min(row["compute_s"]) for row in lifted) < 1 + 2 * REBALANCE_GAIN
+
+
+def test_a_straggler_is_reported_and_drained_while_min_workers_allows(tmp_path, equal_split):
+    run_dir = tmp_path / "straggler"
+    throttle = "faults=[{action: throttle, rank: 2, step: 1, factor: 10.0}]"
+    result = train(job(*BASE, "scaling.max_workers=3", throttle, name="straggler"), run_dir=run_dir)
+    assert_same_training(result, load_model(run_dir), equal_split)
+    straggler = next(e for e in result.events if e.type == "straggler")
+    assert straggler.details["rank"] == 2 and straggler.details["node_id"]
+    assert straggler.details["speed_vs_median"] < 1 / 4
+    draining = next(e for e in result.events if e.type == "worker_draining")
+    assert len(draining.details["workers"]) == 1 and draining.details["reason"] == "straggler"
+    assert any(row["world_size"] == 2 and row["step"] > draining.step for row in result.history)
