@@ -24,7 +24,7 @@ min_workers=3, max_workers=4, max_failures=1; only ``strategy.replicas`` differs
 
 Goals (issue 18), for R = 2: steps_redone <= 1 (every round) and time_lost_s < 2 s (median). One local Ray
 instance (2 CPUs) per round; the side that goes first alternates; medians over rounds. Run from the
-repository root (about 2 minutes a round on 2 quiet cores)::
+repository root (2-4 minutes a round on 2 busy cores)::
 
     .venv/bin/python -m benchmarks.redundancy                # 3 rounds
     .venv/bin/python -m benchmarks.redundancy --rounds 5 --kill-step 80

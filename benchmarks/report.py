@@ -290,6 +290,7 @@ def generic(result: dict) -> list[str]:
 
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "throughput": throughput, "step_costs": step_costs, "step_costs_ray": step_costs, "recovery": recovery,
+    "redundancy": redundancy,
     "memory": memory, "checkpoint": checkpoint, "communication": communication}
 
 
