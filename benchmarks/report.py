@@ -28,6 +28,7 @@ TITLES = {  # page order; a result file not named here gets a generic section af
     "step_costs": "Step costs",
     "step_costs_ray": "Step costs in Ray actors",
     "recovery": "Recovery and scale-up",
+    "redundancy": "In-memory redundancy (HSDP)",
     "memory": "Memory",
     "checkpoint": "Checkpoints",
     "communication": "Communication",
@@ -190,6 +191,38 @@ def recovery_drain(result: dict) -> list[str]:
                 f"and the history agree), workers failed: {drain['workers_failed']:.0f}."]
 
 
+def redundancy(result: dict) -> list[str]:
+    medians, goals, met = result["medians"], result["goals"], result["goals_met"]
+    rows = []
+    for side, label in [("r2", "`strategy.replicas` 2"), ("r1", "`strategy.replicas` 1")]:
+        kill, sources = medians[f"kill_{side}"], result["state_sources"][f"kill_{side}"]
+        rows.append([label, ", ".join(f"{s} x{sources.count(s)}" for s in dict.fromkeys(sources)),
+                     f"{kill['steps_redone']:.0f}", f"**{kill['time_lost_s']:.2f}**", f"{kill['back_at_step_k_s']:.2f}",
+                     f"detected {kill['detected_s']:.2f}, generation formed {kill['generation_formed_s']:.2f}, "
+                     f"first step {kill['first_step_s']:.2f}, redo to step K {kill['redo_s']:.2f}",
+                     f"{kill['rejoin_time_lost_s']:.2f} ({kill['rejoin_joined_after_kill_s']:.1f} s after the kill)",
+                     f"{kill['time_lost_with_rejoin_s']:.2f}"])
+    ratios, held = result["r2_over_r1_samples_per_s"], result["bytes_per_rank"]
+    steady = {side: medians[f"steady_{side}"] for side in ("r2", "r1")}
+    byte_rows = [[f"`strategy.replicas` {replicas}", fmt(held[side]["formula_bytes_per_parameter"]),
+                  fmt(held[side]["max_bytes_per_parameter"], 3), f"{held[side]['max_over_formula']:.3f}"]
+                 for side, replicas in [("r2", 2), ("r1", 1)] if side in held]
+    verdicts = {True: "met", False: "not met", None: "not measured"}
+    return ["A worker SIGKILLed mid-interval, medians over the rounds (time lost = back at step K - one step, s):", "",
+            table(["side", "state after the kill", "steps redone", "time lost", "back at step K",
+                   "breakdown, s", "replacement's rejoin, time lost", "time lost in all"], rows), "",
+            f"Steady state at 4 workers: R=2 / R=1 = **{ratios['samples_per_s']}x** samples/s "
+            f"({steady['r2']['samples_per_s']:,.0f} against {steady['r1']['samples_per_s']:,.0f}; per-round pairs "
+            f"{ratios['samples_per_s_paired_median']}, by median step {ratios['samples_per_s_median_step']}; the "
+            f"kill runs' pre-kill steps {ratios['pre_kill_samples_per_s']}).", "",
+            f"Bytes per rank of parameters, gradients and optimizer state ({held['parameters']:,} parameters, fp32 "
+            f"AdamW, N=4; R=2 / R=1 = **{held.get('r2_over_r1')}**):", "",
+            table(["side", "formula 16R/N, B/param", "measured (largest rank)", "measured / formula"], byte_rows), "",
+            "Goals (R=2): " + ", ".join(f"{k} {v}: {verdicts[met.get(k)]}" for k, v in goals.items()) + ".", "",
+            f"Job: {params_line(result['job'])}.", "", "Definitions:", ""] + [
+        f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
+
+
 def memory(result: dict) -> list[str]:
     params = result["model"]["parameters"]
     rows = []
@@ -257,6 +290,7 @@ def generic(result: dict) -> list[str]:
 
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "throughput": throughput, "step_costs": step_costs, "step_costs_ray": step_costs, "recovery": recovery,
+    "redundancy": redundancy,
     "memory": memory, "checkpoint": checkpoint, "communication": communication}
 
 
