@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from jobconfig import (
     DataConfig,
     EvalConfig,
     FaultConfig,
+    JobConfig,
     OptimConfig,
     StrategyConfig,
     TrainingConfig,
@@ -83,6 +85,14 @@ class WorkerSpec:
     """scaling.balance: "auto", the batch split follows the ranks' speeds; "off", even."""
     straggler_factor: float = 4.0
     """scaling.straggler_factor."""
+
+    @classmethod
+    def for_job(cls, job: JobConfig, checkpointer: Checkpointer, profile_dir: str | None = None) -> WorkerSpec:
+        """The spec of ``job``'s workers (one torch thread per whole CPU of a worker's slot)."""
+        return cls(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
+                   data=job.data, eval=job.eval, use_gpu=job.scaling.use_gpu,
+                   torch_threads=max(1, int(job.scaling.cpus_per_worker)), checkpointer=checkpointer,
+                   profile_dir=profile_dir, balance=job.scaling.balance, straggler_factor=job.scaling.straggler_factor)
 
 
 @dataclass(frozen=True)
@@ -137,6 +147,9 @@ class TrainWorker:
         """Sharded strategies: this worker's CPU copy of its shard of an earlier generation's state."""
         self._holds_run_state = False
         """Sharded strategies: the live state is the run's (restored, or trained), so the next join keeps it."""
+        # The first optimizer (and DDP) imports torch._dynamo (~0.25 s on top of our modules): pay it here, not in
+        # the first join, which every rank waits for (a warm spare's is on the failure path).
+        importlib.import_module("torch._dynamo")
         gc.freeze()  # the collection at every new generation then only walks what came after (~0.4 s less)
 
     def pid(self) -> int:

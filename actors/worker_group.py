@@ -83,10 +83,7 @@ class WorkerGroup:
                 profile_dir: str | None = None) -> WorkerGroup:
         """The group of ``job``'s workers, in slots of their own (or in ``reserved`` bundles)."""
         scaling = job.scaling
-        spec = WorkerSpec(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
-                          data=job.data, eval=job.eval, use_gpu=scaling.use_gpu,
-                          torch_threads=max(1, int(scaling.cpus_per_worker)), checkpointer=checkpointer,
-                          profile_dir=profile_dir, balance=scaling.balance, straggler_factor=scaling.straggler_factor)
+        spec = WorkerSpec.for_job(job, checkpointer, profile_dir)
         shape = SlotShape(cpus=scaling.cpus_per_worker, gpus=int(scaling.use_gpu),
                           custom=dict(scaling.resources_per_worker))
         slots = (ReservedSlots(reserved.placement_group, list(reserved.bundle_indices), shape) if reserved

@@ -6,7 +6,6 @@ heavy imports stay inside functions, so the probe's process starts without torch
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -118,26 +117,38 @@ class Blocker:
 
 
 class StartupProbe:
-    """Where a new worker process's start-up goes: time.time() marks taken in order in __init__."""
+    """What a new TrainWorker pays before it can train, phase by phase: time.time() marks taken in order.
 
-    def __init__(self, hidden: int) -> None:
+    It does what a TrainWorker's process does: imports torch and the worker's modules (Ray imports them to
+    load the actor's class), runs TrainWorker's constructor (workload and data, strategy) and its first join,
+    into a group of its own (world size 1): a gc collection, the rendezvous, the model and the optimizer (a
+    DDP too at world size 2). ``job_overrides`` are the job's ``--set`` overrides.
+    """
+
+    def __init__(self, job_overrides: list[str]) -> None:
         marks = {"process_ready": time.time()}
-        import torch
+        import torch  # noqa: F401
 
         marks["import_torch"] = time.time()
-        import actors.worker  # noqa: F401 - the modules a TrainWorker process loads
+        import ray
+
+        from actors.worker import TrainWorker, WorkerSpec
+        from jobconfig import load_job_config
+        from strategies.checkpoint import Checkpointer
+        from strategies.process_group import GroupAssignment, host_store, new_store_prefix
 
         marks["import_worker_modules"] = time.time()
-        from workloads.digits import Digits
-
-        workload = Digits(hidden=hidden)
-        workload.train_dataset()
-        marks["load_digits"] = time.time()
-        torch.optim.AdamW(workload.build_model().parameters())
-        marks["build_model_and_optimizer"] = time.time()
-        gc.collect()  # what TrainWorker.join pays at every generation, in a process like this one
-        marks["gc_collect"] = time.time()
-        self.marks = marks
+        job = load_job_config(None, job_overrides)
+        checkpointer = Checkpointer(root=tempfile.mkdtemp(prefix="startup-probe-"), every_steps=0, num_to_keep=1,
+                                    config_hash=job.math_hash(), global_batch_size=job.training.global_batch_size)
+        worker = TrainWorker(WorkerSpec.for_job(job, checkpointer))
+        marks["construct_worker"] = time.time()
+        ip = ray.util.get_node_ip_address()
+        store = host_store(ip)
+        worker.join(GroupAssignment(generation=0, rank=0, world_size=1, store_host=ip, store_port=store.port,
+                                    store_prefix=new_store_prefix(), timeout_s=30))
+        marks["first_join"] = time.time()
+        self.marks, self._alive = marks, (worker, store)  # the group's store lives as long as the probe
 
     def timings(self) -> dict[str, float]:
         return self.marks

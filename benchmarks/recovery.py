@@ -148,9 +148,10 @@ def run_drain(scratch: Path, steps: int, notice_at_step: int) -> dict:
 
 
 def measure_startup() -> dict:
-    """On the idle instance: where a new worker process's start-up time goes (StartupProbe's marks)."""
+    """On the idle instance: where a new worker's time goes until it can train (StartupProbe's marks), for
+    the job of the scale-up runs."""
     started = time.time()
-    probe = ray.remote(num_cpus=1)(helpers.StartupProbe).remote(HIDDEN)
+    probe = ray.remote(num_cpus=1)(helpers.StartupProbe).remote(job_overrides("startup-probe", 1, 1, None))
     marks = ray.get(probe.timings.remote())
     phases = {"total_s": time.time() - started, "process_start_s": marks["process_ready"] - started}
     ray.kill(probe)
@@ -312,6 +313,12 @@ def describe(args: argparse.Namespace) -> dict[str, dict]:
         "breakdown (drain)": "noticed_s: the call to node_draining (the Controller's poll); step_boundary_s: to "
                              "drained (the worker left at the step boundary); generation_formed_s: to the next "
                              "generation_formed; first_step_s: to the first step at world size 1",
+        "startup": "a new worker until it can train, on the idle instance, the scale-up runs' job "
+                   "(benchmarks/_recovery_helpers.py StartupProbe): process_start_s to the probe's constructor "
+                   "starting (Ray starts a process); import_torch_s; import_worker_modules_s (actors.worker and "
+                   "what it imports); construct_worker_s (TrainWorker's constructor: workload and data, strategy, "
+                   "torch._dynamo); first_join_s (its first join, into a group of its own: gc, rendezvous, model "
+                   "and optimizer)",
         "timeline": "[seconds since the kill (failures; steps from K-25), since resources appeared (scale-up) or "
                     "since the notice (drain), step(, world)]"}
     return {"job": job, "definitions": definitions}

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from workloads import load_workload
 from workloads.chargpt import CharGPT
-from workloads.digits import Digits
+from workloads.digits import Digits, read_digits, stratified_split
 from workloads.protocol import Workload
 
 SMALL_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "corpus_chars": 50_000}
@@ -49,6 +54,33 @@ def test_digits_split_is_deterministic_and_ignores_torch_rng():
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     other_split = Digits(split_seed=1).train_dataset().tensors
     assert not torch.equal(first[0], other_split[0])
+
+
+def test_digits_split_is_stratified_and_holds_out_each_image_once():
+    _, labels = read_digits()
+    for fraction, seed in [(0.2, 0), (0.2, 7), (0.05, 1), (0.9, 2)]:
+        train, test = stratified_split(labels, fraction, seed)
+        assert len(test) == math.ceil(fraction * len(labels))
+        assert np.array_equal(np.sort(np.concatenate([train, test])), np.arange(len(labels)))  # disjoint, complete
+        share = len(test) / len(labels)
+        for label in range(10):
+            assert abs(np.sum(labels[test] == label) - share * np.sum(labels == label)) < 1
+
+
+SPLIT_DIGEST = """
+import hashlib, sys
+from workloads.digits import Digits
+x, y = Digits(split_seed=3).train_dataset().tensors
+print(hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest(), "sklearn" in sys.modules)
+"""
+
+
+def test_digits_split_is_the_same_in_every_process_and_imports_no_scikit_learn():
+    x, y = Digits(split_seed=3).train_dataset().tensors
+    here = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()
+    done = subprocess.run([sys.executable, "-c", SPLIT_DIGEST], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == [here, "False"]  # scikit-learn's import would cost a new worker ~0.8 s
 
 
 def test_digits_trains_to_high_accuracy():
