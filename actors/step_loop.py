@@ -136,7 +136,9 @@ class StepRunner:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         split = self.current_split()
         indices = self.order.split_indices(step_index, split, rank)
-        weight = world_size / self.order.global_batch_size
+        # Averaged gradients (DDP, FSDP): weights that make the average the global batch's mean; a rank stepping
+        # on its own gradient (diloco): its own mean.
+        weight = world_size / self.order.global_batch_size if self.strategy.averages_gradients else 1 / len(indices)
         position = split.bounds(rank)[0]
         chunks = micro_batches(indices, micro_batch_count(split, self.micro_batch_size))
         loss_sum: torch.Tensor | None = None
@@ -169,13 +171,15 @@ class StepRunner:
         else:  # on_nonfinite=skip: no rank steps (all see this norm); the step still counts
             state.optimizer.zero_grad(set_to_none=True)
             skipped = True
+        between_steps = self.strategy.after_step(state, step_index + 1, len(indices),
+                                                 last=step_index + 1 == self.total_steps)
         traffic = state.comm.state.take_traffic() if state.comm else None
         timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
         return StepResult(step=step_index + 1, loss_sum=loss_value, samples=len(indices),
                           duration_s=time.perf_counter() - started, finished_at=time.time(),
                           sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm, compute_s=compute_s,
-                          bytes_sent=traffic.bytes_sent if traffic else 0,
-                          uncompressed_bytes=traffic.uncompressed_bytes if traffic else 0,
+                          bytes_sent=(traffic.bytes_sent if traffic else 0) + between_steps,
+                          uncompressed_bytes=(traffic.uncompressed_bytes if traffic else 0) + between_steps,
                           comm_s=timing.comm_s if timing else None,
                           exposed_comm_s=timing.exposed_comm_s if timing else None)
 

@@ -58,7 +58,6 @@ from strategies.checkpoint import Checkpointer, load_into
 from strategies.peer_restore import PeerRestorePlan, ShardCopy
 from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group
 from strategies.shard_copy import KeptShards, gather_shards, keep_shards, load_full_state
-from strategies.state_transfer import broadcast_training_state
 from workloads import load_workload
 
 __all__ = ["JoinReport", "TrainWorker", "TrainWorkerActor", "TrainingThreadHung", "WorkerSpec", "WorkerStatus"]
@@ -201,14 +200,14 @@ class TrainWorker:
             logger.warning("no copy of this rank's shard is kept for the next generation", exc_info=True)
 
     def sync_state(self, source_rank: int) -> int:
-        """Replicated strategies: receive (or send, on ``source_rank``) model, optimizer and step. A receiver
+        """Replicated strategies: receive (or send, on ``source_rank``) model, optimizer and step (the strategy's
+        ``hand_over``; diloco merges every member's inner progress too). A receiver
         whose source is lost midway holds a mix of two states: it is never a source, and rebuilds at its next join."""
         receiving = dist.get_rank() != source_rank
         if receiving:
             self._state_intact = False
-        self.status.step = broadcast_training_state(self.state.model, self.state.optimizer, self.status.step,
-                                                    source_rank=source_rank, device=self.device,
-                                                    scaler=self.runner.scaler)
+        self.status.step = self.strategy.hand_over(self.state, self.status.step, source_rank=source_rank,
+                                                   device=self.device, scaler=self.runner.scaler)
         self._state_intact = True
         return self.status.step
 

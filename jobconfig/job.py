@@ -45,6 +45,11 @@ class JobConfig:
             raise ValueError(f"training.global_batch_size ({batch}) cannot be split across "
                              f"scaling.max_workers ({self.scaling.max_workers}): every worker needs at "
                              "least one sample per step")
+        every, sync_every = self.checkpoint.every_steps, self.strategy.sync_every
+        if self.strategy.name == "diloco" and every % sync_every:
+            raise ValueError(f"checkpoint.every_steps ({every}) must be a multiple of strategy.sync_every "
+                             f"({sync_every}) under diloco: only after an outer step do the workers hold the same "
+                             f"parameters")
         for index, fault in enumerate(self.faults):  # a fault that can never fire would be ignored silently
             require(fault.rank < self.scaling.max_workers, f"faults[{index}].rank",
                     f"below scaling.max_workers ({self.scaling.max_workers})", fault.rank)
@@ -61,4 +66,7 @@ class JobConfig:
                     "global_batch_size": self.training.global_batch_size, "seed": self.training.seed}
         if self.optim.schedule != "constant":  # a decaying schedule's length is part of its math
             relevant["steps"] = self.training.steps
+        if self.strategy.name == "diloco":  # other updates altogether: its checkpoints resume only diloco runs
+            strategy = self.strategy
+            relevant["diloco"] = [strategy.sync_every, float(strategy.outer_lr), float(strategy.outer_momentum)]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

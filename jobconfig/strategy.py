@@ -7,7 +7,7 @@ from typing import Literal, get_args
 
 from jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require
 
-StrategyName = Literal["ddp", "zero1", "zero2", "zero3"]
+StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "diloco"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 Compression = Literal["none", "fp16", "bf16", "powersgd", "topk", "onebit", "int8"]
 COMPRESSIONS: tuple[str, ...] = get_args(Compression)
@@ -17,7 +17,9 @@ COMPRESSIONS: tuple[str, ...] = get_args(Compression)
 class StrategyConfig:
     name: StrategyName = "ddp"
     """ddp: replicated state; zero1: optimizer state sharded; zero2: + gradients (FSDP2, parameters
-    kept gathered from forward to backward); zero3: + parameters (FSDP2, resharded after forward)."""
+    kept gathered from forward to backward); zero3: + parameters (FSDP2, resharded after forward);
+    diloco: every worker takes ``sync_every`` optimizer steps on its own gradients, then the workers
+    average their parameter change and an outer Nesterov SGD applies it (strategies/diloco.py)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB, for ddp and zero1 (DDP's first bucket is 1 MiB whatever this says)."""
     offload: bool = False
@@ -54,8 +56,22 @@ class StrategyConfig:
     gradients' path: the hook passes the GIL between the training thread and the backend's threads for
     every bucket, which slows short steps on few cores (docs/benchmarks.md)."""
 
+    sync_every: int = 50
+    """diloco: inner steps between two outer steps (H; 1 with outer_lr 1 and outer_momentum 0 is ddp with
+    plain SGD)."""
+    outer_lr: float = 0.7
+    """diloco: the outer SGD's learning rate on the averaged parameter change (1 with outer_momentum 0:
+    local SGD, the change applied as it is)."""
+    outer_momentum: float = 0.9
+    """diloco: the outer SGD's Nesterov momentum, in [0, 1)."""
+
     def __post_init__(self) -> None:
         require(self.name in STRATEGIES, "strategy.name", one_of(STRATEGIES), self.name)
+        require(is_positive_int(self.sync_every), "strategy.sync_every", "a positive integer", self.sync_every)
+        require(is_number(self.outer_lr) and self.outer_lr > 0, "strategy.outer_lr", "a positive number",
+                self.outer_lr)
+        require(is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1, "strategy.outer_momentum",
+                "a number in [0, 1)", self.outer_momentum)
         require(is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "strategy.bucket_cap_mb",
                 "a positive number of MiB", self.bucket_cap_mb)
         require(isinstance(self.offload, bool), "strategy.offload", "true or false", self.offload)

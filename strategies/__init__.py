@@ -6,6 +6,7 @@ from jobconfig import StrategyConfig
 from strategies.base import Strategy
 from strategies.compression import CompressionOptions
 from strategies.ddp import DDPStrategy
+from strategies.diloco import DiLoCoStrategy
 from strategies.fsdp import FSDPStrategy
 from strategies.zero1 import Zero1Strategy
 
@@ -23,4 +24,7 @@ def build_strategy(config: StrategyConfig) -> Strategy:
     if config.name in ("zero2", "zero3"):
         return FSDPStrategy(name=config.name, reshard_after_forward=config.name == "zero3", offload=config.offload,
                             replicas=config.replicas)
+    if config.name == "diloco":
+        return DiLoCoStrategy(sync_every=config.sync_every, outer_lr=config.outer_lr,
+                              outer_momentum=config.outer_momentum)
     raise ValueError(f"strategy.name={config.name!r} is not implemented")

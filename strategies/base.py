@@ -78,6 +78,8 @@ class TrainState:
     """Set for a DDP at world size > 1; its timer only with strategy.comm_timing."""
     layout: ShardLayout | None = None
     """Sharded strategies: which shard of the state this rank holds, and how many copies there are."""
+    outer: Any = None
+    """diloco: the global parameters and the outer optimizer (strategies/diloco.py OuterState)."""
 
     def kept_across_groups(self) -> TrainState:
         """The model and optimizer alone: what a replicated strategy carries into the next group.
@@ -88,7 +90,7 @@ class TrainState:
         finishing a collective left in flight by a failed step needs the GIL to free its tensors (a
         deadlock; tests/test_group_handover.py reproduces it).
         """
-        return TrainState(model=self.model, wrapped=self.model, optimizer=self.optimizer)
+        return TrainState(model=self.model, wrapped=self.model, optimizer=self.optimizer, outer=self.outer)
 
 
 class Strategy(Protocol):
@@ -97,6 +99,9 @@ class Strategy(Protocol):
     """True when every rank holds the full model and optimizer state, so a survivor can hand it
     over in memory; False when state is sharded and a lost shard must come from a surviving copy
     (strategy.replicas, strategies/peer_restore.py) or a checkpoint."""
+    averages_gradients: bool
+    """True when the ranks' gradients are averaged every step (the step loop then weights each rank's loss so
+    that the average is the global batch's mean); False when each rank steps on its own mean (diloco)."""
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
               previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
@@ -105,6 +110,11 @@ class Strategy(Protocol):
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         """Skip gradient communication (every micro-batch but the last of a step)."""
+        ...
+
+    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> int:
+        """After the optimizer's step ``step`` (1-based; ``last``: the run's last), on ``samples`` samples of this
+        rank: any communication the strategy does between steps; returns the bytes it sent."""
         ...
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from strategies.compression.accounting import UncompressedTraffic
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
 from strategies.hierarchical import make_hierarchical_hook
 from strategies.overlap import CommTimer
+from strategies.state_transfer import broadcast_training_state
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_cap_mb: float) -> torch.nn.Module:
@@ -54,6 +55,7 @@ class DDPStrategy:
     """Time each bucket's communication (a Python hook); off, uncompressed DDP all-reduces in C++."""
     name: str = "ddp"
     replicated: bool = True
+    averages_gradients: bool = True
 
     def setup(self, build_model: ModelFactory, build_optimizer: OptimizerFactory, device: torch.device,
               previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
@@ -88,6 +90,15 @@ class DDPStrategy:
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return ddp_no_sync(state.wrapped)
+
+    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> int:
+        return 0
+
+    def hand_over(self, state: TrainState, step: int, *, source_rank: int, device: torch.device,
+                  scaler: torch.amp.GradScaler | None = None) -> int:
+        """A new generation: the source's model, optimizer, step and loss scaler go to every rank."""
+        return broadcast_training_state(state.model, state.optimizer, step, source_rank=source_rank, device=device,
+                                        scaler=scaler)
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         names = {p: n for n, p in state.model.named_parameters()}

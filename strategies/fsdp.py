@@ -49,6 +49,7 @@ class FSDPStrategy:
     offload: bool = False
     name: str = "zero3"
     replicated: bool = False
+    averages_gradients: bool = True
     replicas: int = 1
     """strategy.replicas: HSDP with this many copies where it divides the world size (``effective_replicas``)."""
 
@@ -71,6 +72,9 @@ class FSDPStrategy:
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return _without_gradient_sync(state.model)
+
+    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> int:
+        return 0
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         model, optimizer = get_state_dict(state.model, state.optimizer, options=_OPTIONS)

@@ -109,6 +109,7 @@ class Zero1Strategy:
     bucket_cap_mb: float = 25.0
     name: str = "zero1"
     replicated: bool = False
+    averages_gradients: bool = True
     replicas: int = 1
     """strategy.replicas: copies of the optimizer state where it divides the world size (``effective_replicas``)."""
 
@@ -122,6 +123,9 @@ class Zero1Strategy:
 
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return ddp_no_sync(state.wrapped)
+
+    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> int:
+        return 0
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         optimizer: ShardedOptimizer = state.optimizer  # type: ignore[assignment]
