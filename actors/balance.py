@@ -16,8 +16,8 @@ The decisions, pure functions of the figures:
   current split's (hysteresis: noise in the rates does not move shares). A rank's time has a fixed part
   as well as a part per sample, so one decision rarely lands on equal times; each next one moves closer
   (shares proportional to the rates are a fixed point only where every rank's time is the same);
-- stragglers: a rank slower than the others' median by more than ``straggler_factor`` (so slower than
-  them even at its minimum share) in ``STRAGGLER_DECISIONS`` decisions in a row;
+- stragglers: a rank held at its minimum share whose compute still takes longer than the others' (so
+  slower than them by more than ``straggler_factor``) in ``STRAGGLER_DECISIONS`` decisions in a row;
 - ``carry_split``: a new generation's split from the last shares by worker: a newcomer starts at the
   mean share, a lost worker's share is spread over the others in proportion.
 
@@ -122,20 +122,22 @@ class Balancer:
         self._window = []
         if self.windows == 1:
             return BalanceDecision()
-        stragglers = self._stragglers()
         smallest = min_share(self.split.global_batch_size, self.split.world_size, self.straggler_factor)
         target = BatchSplit(proportional_sizes(self.split.global_batch_size, self.rates, smallest))
         gain = 1 - predicted_step_s(target, self.rates) / predicted_step_s(self.split, self.rates)
-        if target == self.split or gain < REBALANCE_GAIN:
-            return BalanceDecision(stragglers=stragglers)
-        self.split = target
-        return BalanceDecision(split=target, stragglers=stragglers)
+        changed = target != self.split and gain >= REBALANCE_GAIN
+        if changed:
+            self.split = target
+        return BalanceDecision(split=target if changed else None, stragglers=self._stragglers(smallest))
 
-    def _stragglers(self) -> tuple[int, ...]:
+    def _stragglers(self, smallest: int) -> tuple[int, ...]:
+        """Ranks held at the minimum share whose compute still takes longer than the others' (by more than the
+        hysteresis). Times, not rates: a rank's fixed costs per step lower its rate as its share shrinks."""
+        times = [size / rate for size, rate in zip(self.split.sizes, self.rates, strict=True)]
         found = []
-        for rank, rate in enumerate(self.rates):
-            others = [r for i, r in enumerate(self.rates) if i != rank]
-            slow = rate * self.straggler_factor < statistics.median(others)
+        for rank, own in enumerate(times):
+            others = statistics.median(t for i, t in enumerate(times) if i != rank)
+            slow = self.split.sizes[rank] <= smallest and own > others * (1 + REBALANCE_GAIN)
             self._slow_decisions[rank] = self._slow_decisions.get(rank, 0) + 1 if slow else 0
             if self._slow_decisions[rank] >= STRAGGLER_DECISIONS and rank not in self._reported:
                 self._reported.add(rank)

@@ -33,8 +33,8 @@ class ScalingConfig:
     actors/balance.py), changed only when that predicts a step at least 10% shorter, so equal ranks keep
     equal shares; off: equal shares always."""
     straggler_factor: float = 4.0
-    """A rank's share never drops below the even share over this factor; a rank slower than the others'
-    median by more than it, persistently, is reported (event ``straggler``) and drained when
+    """A rank's share never drops below the even share over this factor; a rank held there whose compute still
+    takes longer than the others', persistently, is reported (event ``straggler``) and drained when
     min_workers allows. > 1."""
     placement_timeout_s: float = 120.0
     """How long to wait for min_workers to be placed, at the start and after failures, before failing; in

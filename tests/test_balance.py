@@ -99,6 +99,13 @@ def test_a_persistently_slow_rank_is_reported_once():
     assert balancer.split.sizes[2] == min_share(64, 3, 4.0)  # held at its minimum share meanwhile
 
 
+def test_a_rank_whose_rate_falls_with_its_share_is_not_a_straggler_while_its_time_keeps_up():
+    """Fixed costs per step make a small share's rate low: 2x slower, at a third of the others' share, its rate
+    is a quarter of theirs, yet it finishes with them."""
+    balancer = Balancer(BatchSplit((28, 28, 8)), straggler_factor=4.0)
+    assert not any(d.stragglers for d in decide_windows(balancer, (100.0, 100.0, 24.0), windows=6))
+
+
 def test_a_rank_slow_only_for_a_while_is_not_a_straggler():
     balancer = Balancer(BatchSplit.even(64, 3), straggler_factor=4.0)
     decide_windows(balancer, (100.0, 100.0, 10.0), windows=STRAGGLER_DECISIONS)
