@@ -156,7 +156,8 @@ def summarize(runs: dict[str, list[dict]], workers: int) -> dict[str, Any]:
     pairs = {"auto_over_off_throttled": ("ours_auto_throttled", "ours_off_throttled"),
              "auto_over_off_unthrottled": ("ours_auto_unthrottled", "ours_off_unthrottled"),
              "ours_auto_over_torchrun_throttled": ("ours_auto_throttled", "torchrun_throttled"),
-             "ours_off_over_torchrun_throttled": ("ours_off_throttled", "torchrun_throttled")}
+             "ours_off_over_torchrun_throttled": ("ours_off_throttled", "torchrun_throttled"),
+             "auto_throttled_over_off_unthrottled": ("ours_auto_throttled", "ours_off_unthrottled")}
     ratios = {key: round(medians[a] / medians[b], 4) for key, (a, b) in pairs.items()}
     paired = {key: [round(x["samples_per_s"] / y["samples_per_s"], 4) for x, y in zip(runs[a], runs[b], strict=True)]
               for key, (a, b) in pairs.items()}
@@ -186,6 +187,9 @@ def plot(results: list[dict], path: Path) -> None:
         balanced = runs["ours_auto_throttled"]
         run = sorted(balanced, key=lambda r: r["samples_per_s"])[len(balanced) // 2]  # the median round's
         timeline = run["shares_timeline"]  # [step, shares] where the shares changed, from step 1
+        shares_ax.axvspan(1, result["warmup_steps"], color="0.9", label="warm-up (not measured)")
+        at_factor = GLOBAL_BATCH / (ideal_gain(workers) * workers)  # the share of a rank FACTOR times slower
+        shares_ax.axhline(at_factor, color="0.5", linestyle=":", label=f"{at_factor:.0f}: 1/{FACTOR:g} of the others'")
         for rank in range(workers):
             xs = [step for step, _ in timeline] + [result["steps"]]
             ys = [shares[rank] for _, shares in timeline] + [timeline[-1][1][rank]]
@@ -226,7 +230,10 @@ def describe(steps: int) -> dict[str, Any]:
         "ratios_of_medians": "median samples/s over rounds of one side over another's; paired_ratios: the same "
                              "per round",
         "ideal_gain": "(F(N-1) + 1) / N: balanced over equal samples/s when one of N ranks computes F times "
-                      "slower and a step is all compute",
+                      "slower, on a core of its own, and a step is all compute",
+        "auto_throttled_over_off_unthrottled": "how much of the unthrottled speed the balanced throttled run keeps: "
+                                               "N / (F(N-1) + 1) (0.75 at N=2) with a core per rank; up to 1 where "
+                                               "ranks share cores, since the throttle only adds sleep",
         "throttled_goal": "issue 19's 1.5 at 3 workers (0.9 of the ideal), the same 0.9 of the ideal at 2",
         "final_share_ratio": "the throttled rank's share over the median of the others' shares at the last step",
         "first_step_within_10pct": f"the first step whose share ratio is within {SETTLED_WITHIN:.0%} of the final "
