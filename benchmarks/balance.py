@@ -17,8 +17,10 @@ time between rank 0's step commits. Each round runs the five sides, in reverse o
 after one unmeasured short run of ours and of torchrun; all of ours share one local Ray. Ratios are of
 medians over rounds (the paired ones, per round, are in the JSON). The ideal gain of balancing N ranks
 with one of them F times slower is (F(N-1) + 1) / N: 1.67x at N=3, 1.5x at N=2 (compute only; a step's
-fixed costs - the gradient all-reduce, the optimizer, Python - are not shared out and shrink it). Run from
-the repository root (about 25 minutes on 2 cores at the defaults)::
+fixed costs - the gradient all-reduce, the optimizer, Python - are not shared out and shrink it). Ranks that
+share cores (3 on 2 cores) hand the throttled rank's sleeping core to the others: there the unthrottled equal
+split bounds what balancing can win (docs/benchmarks-notes.md). Run from the repository root (about 13
+minutes on 2 quiet cores at the defaults)::
 
     .venv/bin/python -m benchmarks.balance --rounds 3
     .venv/bin/python -m benchmarks.balance --rounds 1 --steps 60 --workers 3
@@ -45,6 +47,9 @@ from cluster.connect import ray_session
 from jobconfig import job_config_from_dict
 
 HIDDEN, GLOBAL_BATCH, FACTOR = 1024, 768, 2.0
+"""A step that is mostly compute (~30 of ~40 ms at 2 workers). At the issue's hidden=2048 and ~96 samples, the
+all-reduce and AdamW over 4.3M parameters took 60-75% of a step: a 2x throttle cost the equal split 1.34x at 2
+workers and 0-12% at 3, leaving balancing little to win."""
 DEFAULT_STEPS = 250
 WARMUP_RUN_STEPS = 20
 WORKER_COUNTS = (3, 2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -206,13 +207,17 @@ def balance_at(r: dict, goals: dict) -> list[str]:
     """One worker count of the balance benchmark."""
     ratios, paired, shares = r["ratios_of_medians"], r["paired_ratios"], r["balanced_throttled_run_medians"]
     rounds = len(r["runs"]["ours_auto_throttled"])
-    rows = [[side.replace("_", " "), fmt(value, 1)] for side, value in r["median_samples_per_s"].items()]
+    other = {side: statistics.median(run["other_cpu_ms_per_step"] for run in runs) for side, runs in r["runs"].items()}
+    rows = [[side.replace("_", " "), fmt(value, 1), fmt(max(0.0, other[side]), 1)]  # < 0: sampling error
+            for side, value in r["median_samples_per_s"].items()]
     return [f"{r['workers']} workers, rank {r['throttled_rank']} throttled 2x where throttled ({rounds} rounds, "
             f"{r['steps']} steps, the first {r['warmup_steps']} not measured):", "",
-            table(["side", "samples/s, median"], rows), "",
+            table(["side", "samples/s, median", "other processes' CPU, ms/step, median"], rows), "",
             f"- balance auto / off, throttled: **{ratios['auto_over_off_throttled']:.2f}x** (ideal "
             f"{r['ideal_gain']:.2f}, goal {r['throttled_goal']}; per round "
-            f"{', '.join(map(str, paired['auto_over_off_throttled']))})",
+            f"{', '.join(map(str, paired['auto_over_off_throttled']))}); the balanced throttled run keeps "
+            f"{ratios.get('auto_throttled_over_off_unthrottled', float('nan')):.2f} of the unthrottled equal split's "
+            f"samples/s",
             f"- balance auto / off, unthrottled: **{ratios['auto_over_off_unthrottled']:.2f}x** (goal "
             f"{goals['auto_over_off_unthrottled_at_least']}; per round "
             f"{', '.join(map(str, paired['auto_over_off_unthrottled']))}; shares changed "
