@@ -8,10 +8,13 @@ step seeds it (``actors.step_loop.step_seed``: ~3 us), so that both sides comput
 Nothing else: no metrics all-reduce, no actor, no loop thread; rank 0 logs ``loss.item()`` of its own
 slice and times every step. A ``TensorDataset`` is indexed in memory, one indexing per step; any other
 dataset (the gpt workload's memory-mapped ``TokenBlocks``) goes through a torch DataLoader with a batch
-sampler of this rank's slices. Run by throughput.py as::
+sampler of this rank's slices. ``--throttle RANK:FACTOR`` slows one rank down as ours' ``throttle`` fault does
+(actors/step_loop.py, for benchmarks/balance.py): before each of its steps, that rank sleeps (FACTOR - 1) x
+its previous step's compute, timed by the same ``ComputeClock`` (from the step's start to its last local
+gradient, so without the wait for its peers). Run by throughput.py as::
 
     python -m torch.distributed.run --nproc-per-node 2 --master-port 29511 benchmarks/_torchrun_ddp.py \
-        --job /tmp/job.json --out /tmp/peer.json
+        --job /tmp/job.json --out /tmp/peer.json [--throttle 1:2.0]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler, TensorDataset, default_collate
 
+from actors.compute_clock import ComputeClock
 from actors.data_order import GlobalSampleOrder
 from actors.recipe import learning_rate
 from actors.step_loop import step_seed
@@ -114,6 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", required=True, help="the job config as JSON (JobConfig.to_dict() sections)")
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes (and <out>.pt: final parameters)")
+    parser.add_argument("--throttle", metavar="RANK:FACTOR", default=None,
+                        help="RANK sleeps (FACTOR - 1) x its previous step's compute before each step")
     args = parser.parse_args()
     job = job_config_from_dict(json.loads(Path(args.job).read_text()))
 
@@ -121,11 +127,21 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     peer = PlainDDP.build(job, job.training.steps)
+    throttled_rank, factor = args.throttle.split(":") if args.throttle else (-1, 1.0)
+    clock = ComputeClock(torch.device("cpu")) if rank == int(throttled_rank) else None
+    if clock is not None:
+        clock.attach(peer.model)
+    compute_s = 0.0  # the throttled rank's previous step, as ours: no sleep before the first step
 
     step_times, losses = [], []
     started, started_unix_s = time.perf_counter(), time.time()
     for step in range(job.training.steps):
+        if clock is not None:
+            time.sleep((float(factor) - 1) * compute_s)
+            clock.start()
         loss, samples = peer.step(step)
+        if clock is not None:
+            compute_s = clock.compute_s(step_s=0.0)
         if rank == 0:
             losses.append(loss.item() / samples)
             step_times.append(time.perf_counter() - started)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ TITLES = {  # page order; a result file not named here gets a generic section af
     "step_costs_ray": "Step costs in Ray actors",
     "recovery": "Recovery and scale-up",
     "redundancy": "In-memory redundancy (HSDP)",
+    "balance": "Uneven workers: batch shares by speed",
     "memory": "Memory",
     "checkpoint": "Checkpoints",
     "communication": "Communication",
@@ -223,6 +225,45 @@ def redundancy(result: dict) -> list[str]:
         f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
 
 
+def balance(result: dict) -> list[str]:
+    out = []
+    for r in result["results"]:
+        out += balance_at(r, result["goals"]) + [""]
+    verdicts = {True: "met", False: "not met", None: "not measured"}
+    met = "; ".join(f"{workers.replace('_', ' ')}: " + ", ".join(f"{goal} {verdicts[ok]}" for goal, ok in goals.items())
+                    for workers, goals in result["goals_met"].items())
+    out += [f"Goals: {met}.", "", f"Job: {params_line(result['job'])}.", "", "Definitions:", ""]
+    return out + [f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
+
+
+def balance_at(r: dict, goals: dict) -> list[str]:
+    """One worker count of the balance benchmark."""
+    ratios, paired, shares = r["ratios_of_medians"], r["paired_ratios"], r["balanced_throttled_run_medians"]
+    rounds = len(r["runs"]["ours_auto_throttled"])
+    other = {side: statistics.median(run["other_cpu_ms_per_step"] for run in runs) for side, runs in r["runs"].items()}
+    rows = [[side.replace("_", " "), fmt(value, 1), fmt(max(0.0, other[side]), 1)]  # < 0: sampling error
+            for side, value in r["median_samples_per_s"].items()]
+    return [f"{r['workers']} workers, rank {r['throttled_rank']} throttled 2x where throttled ({rounds} rounds, "
+            f"{r['steps']} steps, the first {r['warmup_steps']} not measured):", "",
+            table(["side", "samples/s, median", "other processes' CPU, ms/step, median"], rows), "",
+            f"- balance auto / off, throttled: **{ratios['auto_over_off_throttled']:.2f}x** (ideal "
+            f"{r['ideal_gain']:.2f}, goal {r['throttled_goal']}; per round "
+            f"{', '.join(map(str, paired['auto_over_off_throttled']))}); the balanced throttled run keeps "
+            f"{ratios.get('auto_throttled_over_off_unthrottled', float('nan')):.2f} of the unthrottled equal split's "
+            f"samples/s",
+            f"- balance auto / off, unthrottled: **{ratios['auto_over_off_unthrottled']:.2f}x** (goal "
+            f"{goals['auto_over_off_unthrottled_at_least']}; per round "
+            f"{', '.join(map(str, paired['auto_over_off_unthrottled']))}; shares changed "
+            f"{', '.join(map(str, r['unthrottled_auto_share_changes']))} times)",
+            f"- ours (auto) / torchrun, throttled: **{ratios['ours_auto_over_torchrun_throttled']:.2f}x**; "
+            f"ours (off) / torchrun: {ratios['ours_off_over_torchrun_throttled']:.2f}x",
+            f"- the balanced throttled runs, medians: the throttled rank's share / the others' ends at "
+            f"{shares['final_share_ratio']:.2f}; within 10% of that from step {shares['first_step_within_10pct']:.0f} "
+            f"({shares['first_within_after_s']:.1f} s), for good from step {shares['settled_from_step']:.0f} "
+            f"({shares['settled_after_s']:.1f} s); {shares['share_changes']:.0f} changes; longest / shortest rank "
+            f"compute in a step {shares['steady_compute_imbalance']:.2f}"]
+
+
 def memory(result: dict) -> list[str]:
     params = result["model"]["parameters"]
     rows = []
@@ -290,7 +331,7 @@ def generic(result: dict) -> list[str]:
 
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "throughput": throughput, "step_costs": step_costs, "step_costs_ray": step_costs, "recovery": recovery,
-    "redundancy": redundancy,
+    "redundancy": redundancy, "balance": balance,
     "memory": memory, "checkpoint": checkpoint, "communication": communication}
 
 

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,10 +46,11 @@ from pathlib import Path
 import ray
 import torch
 
+from actors.run_status import RunResult
 from benchmarks._cpu_meter import CpuMeter, Measurement, descendants
 from cluster.connect import ray_session
 from cluster.job import train
-from jobconfig import job_config_from_dict
+from jobconfig import JobConfig, job_config_from_dict
 from workloads.tokens import prepare_corpus, stdlib_corpus_files
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +118,18 @@ def gpt_token_dir(scratch: Path) -> Path:
 
 
 def run_ours(sections: dict, run_dir: Path) -> Measurement:
-    job = job_config_from_dict({**sections, "name": f"throughput-{run_dir.name}"})
+    return measure_ours(job_config_from_dict({**sections, "name": f"throughput-{run_dir.name}"}), run_dir).measurement
+
+
+@dataclass(frozen=True)
+class OursRun:
+    measurement: Measurement
+    result: RunResult
+    """The run's history and events (benchmarks/balance.py reads the shares and compute times)."""
+
+
+def measure_ours(job: JobConfig, run_dir: Path) -> OursRun:
+    """Train ``job`` on the Ray this process is connected to; its steady-state samples/s and CPU use."""
     origins: list[float] = []  # when the run log started: an event's arrival less its time_s (~ms late)
 
     def follow(progress: dict) -> None:
@@ -128,16 +141,18 @@ def run_ours(sections: dict, run_dir: Path) -> Measurement:
     steps = job.training.steps
     assert [row["step"] for row in result.history] == list(range(1, steps + 1)), "a step was redone or lost"
     steady = SteadyState.of([row["time_s"] for row in result.history])  # rank 0's wall clock at each commit
-    return cpu.measurement(steady.samples_per_s(job.training.global_batch_size), wall_s,
-                           steady.window(min(origins, default=None)), steady.steps)
+    return OursRun(cpu.measurement(steady.samples_per_s(job.training.global_batch_size), wall_s,
+                                   steady.window(min(origins, default=None)), steady.steps), result)
 
 
-def run_torchrun(sections: dict, run_dir: Path) -> Measurement:
+def run_torchrun(sections: dict, run_dir: Path, num_workers: int = NUM_WORKERS,
+                 peer_options: Sequence[str] = ()) -> Measurement:
+    """The peer on ``num_workers`` ranks; ``peer_options``: more of benchmarks/_torchrun_ddp.py's options."""
     out, job_file = run_dir / "peer.json", run_dir / "job.json"
     job_file.write_text(json.dumps(sections))
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-               str(NUM_WORKERS), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               str(PEER_SCRIPT), "--job", str(job_file), "--out", str(out)]
+               str(num_workers), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               str(PEER_SCRIPT), "--job", str(job_file), "--out", str(out), *peer_options]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
                                                        if p)}
     cpu = CpuMeter(rank_marker=PEER_SCRIPT.name)
