@@ -76,4 +76,6 @@ def test_a_worker_lost_between_outer_steps_costs_only_its_own_inner_steps(tmp_pa
     assert synced == list(range(every, steps + 1, every))  # one all-reduce per outer step, none between
     formed = [e for e in killed.events if e.type == "generation_formed"]
     assert len(formed) >= 2 and all(e.details["steps_lost"] == 0 for e in formed)
-    assert abs(killed.metrics["accuracy"] - calm.metrics["accuracy"]) < 0.05
+    assert all(isinstance(e.details["state_source"], int) for e in formed[1:])  # from a survivor, not a restart
+    rows = {row["step"]: row for row in killed.history}
+    assert rows[26]["loss"] < 0.5 * rows[1]["loss"]  # the survivors' training went on
