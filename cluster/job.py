@@ -32,6 +32,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.async_ps.controller import AsyncControllerActor
 from actors.controller import ControllerActor, RunFailed
 from actors.placement import ReservedBundles
 from actors.run_checkpoints import default_checkpoint_root
@@ -90,7 +91,7 @@ def _run(job: JobConfig, run_dir: Path, checkpoint_root: str, address: str | Non
             on_progress(progress)
 
     try:
-        with ray_session(address, min_cpus=job.scaling.max_workers * job.scaling.cpus_per_worker):
+        with ray_session(address, min_cpus=_cpus_needed(job)):
             controller = _start_controller(job, checkpoint_root, reserved, profile_dir)
             try:
                 result = _follow(controller, controller_name(job.name), seen, follow)
@@ -174,10 +175,15 @@ def _require_no_checkpoints(checkpoint_root: str) -> None:
     and a later resume could load theirs."""
     fs, path = fsspec.core.url_to_fs(checkpoint_root)
     names = sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False))
-    found = [name for name in names if name.startswith("step_")]
+    found = [name for name in names if name.startswith(("step_", "ps_"))]
     if found:
         raise RunFailed(f"checkpoint.resume=never, but {checkpoint_root} holds checkpoints ({', '.join(found)}); "
                         "delete that directory to start afresh, or use another --run-dir or checkpoint.path")
+
+
+def _cpus_needed(job: JobConfig) -> float:
+    servers = job.strategy.num_servers * job.strategy.server_cpus if job.strategy.name == "async_ps" else 0.0
+    return job.scaling.max_workers * job.scaling.cpus_per_worker + servers
 
 
 def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None,
@@ -193,7 +199,8 @@ def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBu
     # The Controller runs beside the driver (it shares the driver's fate anyway), never on a worker
     # node that may leave, and never inside a Tune trial's bundles: it takes no resources.
     beside_driver = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    return ControllerActor.options(name=name, scheduling_strategy=beside_driver).remote(
+    controller = AsyncControllerActor if job.strategy.name == "async_ps" else ControllerActor
+    return controller.options(name=name, scheduling_strategy=beside_driver).remote(
         job, checkpoint_root, reserved, profile_dir)
 
 

@@ -50,11 +50,28 @@ class JobConfig:
             raise ValueError(f"checkpoint.every_steps ({every}) must be a multiple of strategy.sync_every "
                              f"({sync_every}) under diloco: only after an outer step do the workers hold the same "
                              f"parameters")
+        if self.strategy.name == "async_ps":
+            self._check_async_ps()
         for index, fault in enumerate(self.faults):  # a fault that can never fire would be ignored silently
-            require(fault.rank < self.scaling.max_workers, f"faults[{index}].rank",
-                    f"below scaling.max_workers ({self.scaling.max_workers})", fault.rank)
+            if fault.action == "kill_server":
+                require(self.strategy.name == "async_ps", f"faults[{index}].action",
+                        "kill_server only with strategy.name=async_ps", fault.action)
+                require(fault.rank < self.strategy.num_servers, f"faults[{index}].rank",
+                        f"below strategy.num_servers ({self.strategy.num_servers})", fault.rank)
+            else:
+                require(fault.rank < self.scaling.max_workers, f"faults[{index}].rank",
+                        f"below scaling.max_workers ({self.scaling.max_workers})", fault.rank)
             require(fault.step <= self.training.steps, f"faults[{index}].step",
                     f"at most training.steps ({self.training.steps})", fault.step)
+
+    def _check_async_ps(self) -> None:
+        """What asynchronous training does not do (each names the field to change)."""
+        unsupported = {"scaling.spare_workers": self.scaling.spare_workers != 0,
+                       "training.compile": self.training.compile,
+                       "training.profile_steps": self.training.profile_steps != 0}
+        for name, set_ in unsupported.items():
+            if set_:
+                raise ValueError(f"{name} is not supported with strategy.name=async_ps; leave it at its default")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,4 +86,6 @@ class JobConfig:
         if self.strategy.name == "diloco":  # other updates altogether: its checkpoints resume only diloco runs
             strategy = self.strategy
             relevant["diloco"] = [strategy.sync_every, float(strategy.outer_lr), float(strategy.outer_momentum)]
+        if self.strategy.name == "async_ps":  # applied as they come: its checkpoints resume only async_ps runs
+            relevant["async_ps"] = True
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

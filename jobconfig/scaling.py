@@ -7,7 +7,7 @@ from typing import ClassVar, Literal, get_args
 
 from jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require, require_seconds
 
-FaultAction = Literal["kill", "ray_kill", "stall", "raise", "remove_node", "throttle"]
+FaultAction = Literal["kill", "ray_kill", "stall", "raise", "remove_node", "throttle", "kill_server"]
 FAULT_ACTIONS: tuple[str, ...] = get_args(FaultAction)
 
 
@@ -105,7 +105,8 @@ class FaultConfig:
     action: FaultAction
     """kill: the worker SIGKILLs itself; ray_kill: the Controller ray.kill()s it; stall: it SIGSTOPs
     itself (a hung worker); raise: its step raises; remove_node: its node's raylet is killed (the
-    whole node leaves; refused on the head node)."""
+    whole node leaves; refused on the head node); kill_server (strategy.name=async_ps): parameter server ``rank``
+    SIGKILLs itself as it applies update ``step``."""
     rank: int
     """The rank, in the generation running at that step, that the fault hits."""
     step: int

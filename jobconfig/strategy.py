@@ -7,7 +7,7 @@ from typing import Literal, get_args
 
 from jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require
 
-StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "diloco"]
+StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "diloco", "async_ps"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 Compression = Literal["none", "fp16", "bf16", "powersgd", "topk", "onebit", "int8"]
 COMPRESSIONS: tuple[str, ...] = get_args(Compression)
@@ -19,7 +19,9 @@ class StrategyConfig:
     """ddp: replicated state; zero1: optimizer state sharded; zero2: + gradients (FSDP2, parameters
     kept gathered from forward to backward); zero3: + parameters (FSDP2, resharded after forward);
     diloco: every worker takes ``sync_every`` optimizer steps on its own gradients, then the workers
-    average their parameter change and an outer Nesterov SGD applies it (strategies/diloco.py)."""
+    average their parameter change and an outer Nesterov SGD applies it (strategies/diloco.py); async_ps: the
+    parameters and the optimizer live in ``num_servers`` parameter-server actors, each worker pulls them, computes
+    a whole step's gradient and pushes it, and the servers apply gradients as they come (actors/async_ps/)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB, for ddp and zero1 (DDP's first bucket is 1 MiB whatever this says)."""
     offload: bool = False
@@ -64,6 +66,14 @@ class StrategyConfig:
     local SGD, the change applied as it is)."""
     outer_momentum: float = 0.9
     """diloco: the outer SGD's Nesterov momentum, in [0, 1)."""
+    num_servers: int = 1
+    """async_ps: parameter-server actors; the parameters are spread over them by size."""
+    max_staleness: int = 4
+    """async_ps: the most updates a gradient's parameters may be behind when it is applied; a staler gradient is
+    refused and its step computed again on fresh parameters. Workers in flight make most gradients 0 to
+    workers - 1 updates stale, so the default refuses only what a stalled or far slower worker sends."""
+    server_cpus: float = 1.0
+    """async_ps: the CPUs each parameter server reserves (fractional on a shared machine)."""
 
     def __post_init__(self) -> None:
         require(self.name in STRATEGIES, "strategy.name", one_of(STRATEGIES), self.name)
@@ -93,6 +103,11 @@ class StrategyConfig:
                 "a number in (0, 1]", self.topk_fraction)
         require(is_non_negative_int(self.onebit_warmup_steps), "strategy.onebit_warmup_steps",
                 "a non-negative integer", self.onebit_warmup_steps)
+        require(is_positive_int(self.num_servers), "strategy.num_servers", "a positive integer", self.num_servers)
+        require(is_non_negative_int(self.max_staleness), "strategy.max_staleness", "a non-negative integer",
+                self.max_staleness)
+        require(is_number(self.server_cpus) and self.server_cpus > 0, "strategy.server_cpus", "a positive number",
+                self.server_cpus)
         require(is_positive_int(self.replicas), "strategy.replicas", "a positive integer", self.replicas)
         if self.replicas > 1 and self.name not in ("zero1", "zero2", "zero3"):
             raise ValueError(f"strategy.replicas > 1 needs strategy.name zero1, zero2 or zero3 (ddp's state is "

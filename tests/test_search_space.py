@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from jobconfig import JobConfig, ScalingConfig
+from jobconfig import JobConfig, ScalingConfig, StrategyConfig
 from tuning.search_space import DEFAULT_SEARCH_SPACE, Choice, IntRange, LogUniform, SearchSpace, Uniform, tunable_keys
 from tuning.trial import trial_job, trial_resources
 from tuning.tuner import concurrent_trials
@@ -88,6 +88,15 @@ def test_trial_reserves_a_driver_bundle_and_one_bundle_per_worker():
     job = JobConfig(scaling=ScalingConfig(min_workers=1, max_workers=3, cpus_per_worker=0.5,
                                           resources_per_worker={"slot": 1}))
     assert trial_resources(job).bundles == [{"CPU": 0.01}] + [{"CPU": 0.5, "slot": 1}] * 3
+
+
+def test_an_async_trial_also_reserves_its_parameter_servers():
+    job = JobConfig(scaling=ScalingConfig(min_workers=1, max_workers=2, cpus_per_worker=0.5),
+                    strategy=StrategyConfig(name="async_ps", num_servers=2, server_cpus=0.25))
+    assert trial_resources(job).bundles == [{"CPU": 0.01}] + [{"CPU": 0.5}] * 2 + [{"CPU": 0.25}] * 2
+    space = SearchSpace.from_dict({"strategy.max_staleness": {"choice": [0, 4]}})
+    space.validate(job)
+    assert space.apply(job, {"strategy.max_staleness": 0}).strategy.max_staleness == 0
 
 
 def test_concurrent_trials_fit_the_cluster():

@@ -42,11 +42,14 @@ DRIVER_BUNDLE = {"CPU": 0.01}
 
 
 def trial_resources(job: JobConfig) -> PlacementGroupFactory:
-    """What one trial of ``job`` reserves: its driver's bundle, then one bundle per worker."""
+    """What one trial of ``job`` reserves: its driver's bundle, one bundle per worker, then (async_ps) one per
+    parameter server."""
     scaling = job.scaling
     worker = {"CPU": scaling.cpus_per_worker, **({"GPU": 1} if scaling.use_gpu else {}),
               **scaling.resources_per_worker}
-    return PlacementGroupFactory([dict(DRIVER_BUNDLE)] + [dict(worker) for _ in range(scaling.max_workers)])
+    servers = job.strategy.num_servers if job.strategy.name == "async_ps" else 0
+    return PlacementGroupFactory([dict(DRIVER_BUNDLE)] + [dict(worker) for _ in range(scaling.max_workers)]
+                                 + [{"CPU": job.strategy.server_cpus} for _ in range(servers)])
 
 
 def trial_job(base: JobConfig, space: SearchSpace, config: dict[str, Any], *, sweep_name: str,
@@ -64,8 +67,8 @@ def run_trial(config: dict[str, Any], *, base: JobConfig, space: SearchSpace, sw
     """
     trial_id = tune.get_context().get_trial_id()
     job = trial_job(base, space, config, sweep_name=sweep_name, trial_id=trial_id)
-    reserved = ReservedBundles(ray.util.get_current_placement_group(),
-                               tuple(range(1, job.scaling.max_workers + 1)))
+    placement_group = ray.util.get_current_placement_group()
+    reserved = ReservedBundles(placement_group, tuple(range(1, len(placement_group.bundle_specs))))
     reporter = StepReporter(placeholders={objective: None} if objective not in STEP_METRICS else {})
     result = train(job, run_dir=Path(jobs_dir) / trial_id, reserved=reserved, on_progress=reporter)
     # No "step" in the final report: ASHA (time_attr "step") leaves it alone, it is for the objective.

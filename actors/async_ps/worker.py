@@ -1,0 +1,177 @@
+"""AsyncWorker: leases a step, pulls the parameters, computes the step's gradient alone, pushes it.
+
+Each ticket is one step of the global sample order (``global_batch_size`` samples, in micro-batches of
+``training.micro_batch_size``), so a run trains on the same samples, in the same batches, as a
+synchronous one; only the parameters each gradient is computed on differ. The RNG is seeded per
+micro-batch from the run seed, the ticket and the position, as in a synchronous step. A worker never
+waits for another: it waits only for the servers' answers and, when every remaining step is leased,
+for more work. ``run`` returns when the run has no more steps for it::
+
+    worker = AsyncWorkerActor.remote(spec, controller)
+    done = worker.run.remote()     # resolves to the number of steps it computed; raises if it died
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from actors.async_ps.leases import Lease, StepReport
+from actors.batches import loader_inputs, to_device
+from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, micro_batches
+from actors.faults import fire
+from actors.recipe import clip_gradients
+from actors.step_loop import NonFiniteStep, seed_rng, step_seed
+from jobconfig import DataConfig, FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
+from strategies.process_group import choose_device
+from workloads import load_workload
+
+IDLE_WAIT_S = 0.05
+"""How long a worker with nothing to lease waits before asking again."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncWorkerSpec:
+    name: str
+    workload: WorkloadConfig
+    training: TrainingConfig
+    optim: OptimConfig
+    data: DataConfig
+    use_gpu: bool
+    torch_threads: int
+    server_timeout_s: float
+    """How long a pull or push may wait for a server (failure.collective_timeout_s)."""
+    faults: tuple[FaultConfig, ...] = ()
+    """The faults aimed at this worker's index."""
+
+
+class AsyncWorker:
+    def __init__(self, spec: AsyncWorkerSpec, controller: Any) -> None:
+        torch.set_num_threads(spec.torch_threads)
+        self.spec, self.controller = spec, controller
+        self.device = choose_device(spec.use_gpu)
+        self.workload = load_workload(spec.workload.name, spec.workload.options)
+        dataset = self.workload.train_dataset()
+        self.source, self.collate = loader_inputs(dataset, getattr(self.workload, "collate", None))
+        training = spec.training
+        self.order = GlobalSampleOrder(len(dataset), training.global_batch_size, training.seed)
+        self.split = BatchSplit.even(training.global_batch_size, 1)
+        self.model = self.workload.build_model().to(self.device)
+        self.parameters = dict(self.model.named_parameters())
+        self.fired: set[FaultConfig] = set()
+        self.throttled_s = 0.0
+
+    def ping(self) -> bool:
+        """Answered from the actor's second thread while ``run`` computes: the process is alive."""
+        return True
+
+    def run(self) -> int:
+        """Compute steps until the run has none left; returns how many this worker had admitted."""
+        admitted = 0
+        while True:
+            lease: Lease = ray.get(self.controller.lease.remote(self.spec.name))
+            if lease.finished:
+                return admitted
+            if lease.ticket is None:
+                time.sleep(IDLE_WAIT_S)
+                continue
+            admitted += self._compute(lease)
+
+    def _compute(self, lease: Lease) -> int:
+        """One leased step: 1 if its gradient was admitted and pushed."""
+        started = time.perf_counter()
+        try:
+            pulled = ray.get([server.pull.remote() for server in lease.servers], timeout=self.spec.server_timeout_s)
+        except (ray.exceptions.RayError, TimeoutError):  # a server is lost: the Controller restores the servers
+            ray.get(self.controller.give_back.remote(self.spec.name, lease.ticket))
+            return 0
+        if any(epoch != lease.epoch for epoch, _, _ in pulled):  # the servers were restored since the lease
+            ray.get(self.controller.give_back.remote(self.spec.name, lease.ticket))
+            return 0
+        received = self._load(pulled)
+        self._fire_faults(lease.ticket)
+        loss_sum, samples, sample_ids = self._gradient(lease.ticket)
+        compute_s = time.perf_counter() - started
+        factor = max((f.factor for f in self.spec.faults if f.action == "throttle" and f.active_at(lease.ticket + 1)),
+                     default=1.0)
+        if factor > 1:
+            time.sleep((factor - 1) * compute_s)
+        grad_norm = clip_gradients(self.model.parameters(), self.spec.optim.clip_grad_norm)
+        finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+        if not finite and self.spec.training.on_nonfinite == "fail":
+            raise NonFiniteStep(f"step {lease.ticket + 1}: the loss on {self.spec.name} is {loss_sum / samples} and "
+                                f"the gradient norm is {grad_norm}; training.on_nonfinite=skip discards such steps "
+                                "instead of failing the run")
+        shares = [{name: self.parameters[name].grad.detach() for name in names} if finite else {}
+                  for names in lease.shards]
+        sent = sum(g.numel() * g.element_size() for share in shares for g in share.values())
+        report = StepReport(ticket=lease.ticket, read_versions=[version for _, version, _ in pulled],
+                            loss_sum=loss_sum, samples=samples, compute_s=compute_s,
+                            step_s=time.perf_counter() - started, grad_norm=grad_norm, bytes_sent=sent,
+                            bytes_received=received, skipped=not finite, sample_ids=sample_ids)
+        update = ray.get(self.controller.admit.remote(self.spec.name, report))
+        if update is None:  # too stale: the step goes back in the queue
+            return 0
+        buffers = {name: b.detach() for name, b in self.model.named_buffers()}
+        pushes = [server.push.remote(lease.epoch, update, version, share, buffers if i == 0 else {}, lease.ticket)
+                  for i, (server, version, share) in enumerate(zip(lease.servers, report.read_versions, shares,
+                                                                   strict=True))]
+        try:
+            ray.get(pushes, timeout=self.spec.server_timeout_s)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # a server is lost: its restore takes back this update with every other after its checkpoint
+        return 1
+
+    def _load(self, pulled: list[tuple[int, int, dict[str, torch.Tensor]]]) -> int:
+        """The pulled parameters (and buffers) into the model; returns the bytes received."""
+        received = 0
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for _, _, tensors in pulled:
+                for name, tensor in tensors.items():
+                    is_buffer = name.startswith("buffer.")
+                    (buffers[name.removeprefix("buffer.")] if is_buffer else self.parameters[name]).copy_(tensor)
+                    received += tensor.numel() * tensor.element_size()
+        return received
+
+    def _fire_faults(self, ticket: int) -> None:
+        """The injected faults of this worker due by step ``ticket + 1`` fire once (the first step it computes)."""
+        for fault in self.spec.faults:
+            if fault.action != "throttle" and fault.step <= ticket + 1 and fault not in self.fired:
+                self.fired.add(fault)
+                fire(fault)
+
+    def _gradient(self, ticket: int) -> tuple[float, int, list[int] | None]:
+        """The mean loss's gradient over step ``ticket``'s samples: (summed loss, samples, their ids if recorded)."""
+        indices = self.order.split_indices(ticket, self.split, 0)
+        total = len(indices)
+        self.model.zero_grad(set_to_none=True)
+        self.model.train()
+        loss_sum, position = 0.0, 0
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.spec.training.precision == "bf16"
+                    else None)
+        for chunk in micro_batches(indices, micro_batch_count(self.split, self.spec.training.micro_batch_size)):
+            if not len(chunk):
+                continue
+            rows = chunk.tolist()
+            items = (self.source.__getitems__(rows) if hasattr(self.source, "__getitems__")
+                     else [self.source[i] for i in rows])
+            batch = to_device(self.collate(items), self.device)
+            seed_rng(step_seed(self.spec.training.seed, ticket, position), self.device)
+            position += len(rows)
+            if autocast is None:
+                loss = self.workload.training_step(self.model, batch)
+            else:
+                with autocast:
+                    loss = self.workload.training_step(self.model, batch)
+            (loss.float() * len(rows) / total).backward()
+            loss_sum += loss.item() * len(rows)
+        return loss_sum, total, indices.tolist() if self.spec.training.record_samples else None
+
+
+AsyncWorkerActor = ray.remote(max_concurrency=2)(AsyncWorker)

@@ -1,0 +1,178 @@
+"""Asynchronous training with parameter servers (actors/async_ps/): the books and the servers in process, then
+real runs on a local Ray - accuracy against synchronous DDP, a killed worker and a killed server, the staleness
+bound, the sample ledger."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.async_ps.checkpoints import newest_complete
+from actors.async_ps.server import ParameterServer, ServerSpec, StalenessViolation
+from actors.async_ps.shards import assign_parameters
+from actors.async_ps.tickets import TicketBook
+from actors.data_order import GlobalSampleOrder
+from cluster.job import train
+from jobconfig import OptimConfig, TrainingConfig, WorkloadConfig, load_job_config
+from tests.helpers import job
+from workloads import load_workload
+
+DIGITS_TRAIN_SAMPLES = 1437
+
+
+# -- the books ------------------------------------------------------------------------------------------------
+def test_tickets_are_admitted_in_update_order_and_a_stale_one_goes_back():
+    book = TicketBook(total_steps=4, max_staleness=1)
+    first, second, third = (book.lease(w) for w in ("a", "b", "c"))
+    assert (first, second, third) == (0, 1, 2)
+    assert book.admit(first, "a", [0]).update == 1
+    assert book.admit(second, "b", [0]).update == 2      # one update behind: allowed
+    refused = book.admit(third, "c", [0])                # two behind
+    assert refused.update is None and refused.staleness == 2 and book.refused == 1
+    assert book.lease("c") == 2                           # the refused step comes back first
+    assert book.lease("a") == 3 and book.lease("b") is None
+
+
+def test_a_lost_worker_gives_its_leases_back_and_a_withdrawn_update_its_step():
+    book = TicketBook(total_steps=3, max_staleness=4)
+    book.lease("a"), book.lease("b")
+    assert book.worker_lost("b") == [1]
+    assert book.admit(0, "a", [0]).update == 1
+    book.withdraw(1)                      # update 1 reached no server
+    assert book.steps_applied == 0 and book.version == 1
+    assert [book.lease("a"), book.lease("a"), book.lease("a")] == [0, 1, 2]
+    with pytest.raises(ValueError, match="not leased to b"):
+        book.admit(0, "b", [1])
+
+
+def test_a_rewind_takes_back_every_later_update():
+    book = TicketBook(total_steps=5, max_staleness=9)
+    for update in range(4):
+        ticket = book.lease("a")
+        book.admit(ticket, "a", [update])
+    book.lease("b")
+    book.rewind(2, [0, 1, 2, 3])
+    assert book.version == 2 and book.leases == {}
+    assert [book.lease("a") for _ in range(3)] == [2, 3, 4]
+
+
+def test_parameters_are_spread_over_servers_by_size():
+    shards = assign_parameters({"w1": 1000, "b1": 10, "w2": 600, "b2": 5}, num_servers=2)
+    assert shards == [["w1"], ["w2", "b1", "b2"]]
+    assert assign_parameters({"w": 3}, num_servers=2) == [["w"], []]
+
+
+# -- a server in this process -----------------------------------------------------------------------------------
+def server_spec(tmp_path, num_servers=1, max_staleness=1, every_steps=0):
+    return ServerSpec(workload=WorkloadConfig(), optim=OptimConfig(), training=TrainingConfig(steps=10),
+                      max_staleness=max_staleness, num_servers=num_servers, checkpoint_root=str(tmp_path),
+                      every_steps=every_steps, config_hash="h")
+
+
+def gradients_of(server: ParameterServer, value: float) -> dict[str, torch.Tensor]:
+    return {name: torch.full_like(p, value) for name, p in server.params.items()}
+
+
+def test_a_server_applies_updates_in_their_order_and_never_a_stale_one(tmp_path):
+    server = ParameterServer(server_spec(tmp_path), index=0, names=[n for n, _ in
+                                                                      load_workload("digits").build_model().named_parameters()])
+    epoch, _, before = server.pull()
+    before = {name: tensor.clone() for name, tensor in before.items()}
+    assert server.push(epoch, 2, 0, gradients_of(server, 1.0), {}, ticket=1)
+    assert server.version == 0                                   # update 2 waits for update 1
+    assert server.push(epoch, 1, 0, gradients_of(server, 1.0), {}, ticket=0)
+    assert server.version == 2 and server.max_applied_staleness == 1
+    applied = {name: tensor.clone() for name, tensor in server.pull()[2].items()}
+    assert any(not torch.equal(applied[n], before[n]) for n in before)
+    with pytest.raises(StalenessViolation, match="2 updates old"):
+        server.push(epoch, 3, 0, gradients_of(server, 1.0), {}, ticket=2)
+    assert all(torch.equal(server.pull()[2][n], applied[n]) for n in applied)   # it never reached the parameters
+    assert not server.skip(epoch, 4) and server.version == 2                     # 3 still holds 4 back
+    assert not server.push(epoch + 1, 5, 2, gradients_of(server, 1.0), {}, ticket=4)  # another epoch's: refused
+
+
+def test_a_checkpoint_of_two_servers_restores_into_one(tmp_path):
+    names = [n for n, _ in load_workload("digits").build_model().named_parameters()]
+    shards = assign_parameters({n: 1 for n in names}, num_servers=2)
+    servers = [ParameterServer(server_spec(tmp_path, num_servers=2, every_steps=2), index=i, names=shards[i])
+               for i in range(2)]
+    for update in (1, 2):
+        for server in servers:
+            server.push(1 - 1, update, update - 1, gradients_of(server, 0.1 * update), {}, ticket=update - 1)
+    directory, version = newest_complete(str(tmp_path))
+    assert version == 2
+    saved = {**servers[0].state(), **servers[1].state()}
+    single = ParameterServer(server_spec(tmp_path, num_servers=1), index=0, names=names)
+    assert single.restore(1, directory) == 2 and single.tickets_applied() == [0, 1]
+    restored = single.state()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(restored[name], tensor, msg=name)
+    assert single.optimizer.state  # AdamW's moments came back too
+
+
+# -- real runs ------------------------------------------------------------------------------------------------
+def applied_tickets(result, steps: int) -> None:
+    """Every step's samples reached the parameters exactly once (the ledger's kept updates)."""
+    order = GlobalSampleOrder(DIGITS_TRAIN_SAMPLES, 64, 0)
+    kept = sorted(a["samples"] for applications in result.ledger.values() for a in applications if a["kept"])
+    expected = sorted(order.rank_indices(step, 0, 1).tolist() for step in range(steps))
+    assert kept == expected
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_async_training_reaches_ddps_accuracy(tmp_path):
+    settings = ["training.steps=300", "training.global_batch_size=64"]
+    ddp = train(job(*settings, name="ps-ddp"), run_dir=tmp_path / "ddp")
+    ps = train(job(*settings, "strategy.name=async_ps", "strategy.server_cpus=0.5", name="ps-run"),
+               run_dir=tmp_path / "ps")
+    assert ps.final_step == 300
+    assert ps.metrics["accuracy"] >= ddp.metrics["accuracy"] - 0.02, (ps.metrics, ddp.metrics)
+    assert ps.metrics["max_applied_staleness"] <= 4
+    rows = ps.history
+    assert {row["worker"] for row in rows} == {"raylastic:ps-run:worker0.0", "raylastic:ps-run:worker1.0"}, \
+        [e for e in ps.events if e.type == "worker_failed"]
+    assert all(row["bytes_sent"] > 0 and row["bytes_received"] > 0 for row in rows)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_killed_and_stalled_workers_and_a_killed_server_are_survived_and_every_step_applied_once(tmp_path):
+    steps = 120
+    result = train(job(f"training.steps={steps}", "training.global_batch_size=64", "strategy.name=async_ps",
+                       "strategy.num_servers=2", "strategy.server_cpus=0.5", "checkpoint.every_steps=25",
+                       "training.record_samples=true", "failure.step_timeout_s=3",
+                       "faults=[{action: kill, rank: 1, step: 30}, {action: kill_server, rank: 1, step: 70},"
+                       " {action: stall, rank: 0, step: 100}]", name="ps-faults"), run_dir=tmp_path)
+    assert result.final_step == steps and result.metrics["accuracy"] > 0.85
+    failed = [e.details["worker"] for e in result.events if e.type == "worker_failed"]
+    assert failed[0] == "raylastic:ps-faults:worker1.0" and failed[1].startswith("raylastic:ps-faults:worker0.")
+    assert [e.type for e in result.events].count("worker_joined") == 2
+    assert [e.details["server"] for e in result.events if e.type == "server_failed"] == [1]
+    restored = [e for e in result.events if e.type == "generation_formed" and e.details["state_source"] == "checkpoint"]
+    assert len(restored) == 1 and restored[0].step == 50                     # the newest checkpoint before update 70
+    assert restored[0].details["steps_lost"] >= 69 - 50  # and what was admitted before the loss was noticed
+    applied_tickets(result, steps)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_staleness_beyond_the_bound_never_reaches_the_parameters(tmp_path):
+    result = train(job("training.steps=60", "strategy.name=async_ps", "strategy.max_staleness=0",
+                       "strategy.server_cpus=0.5", "scaling.max_workers=3", "training.record_samples=true",
+                       "faults=[{action: throttle, rank: 2, step: 1, factor: 4.0}]", name="ps-stale"), run_dir=tmp_path)
+    assert result.final_step == 60
+    assert result.metrics["refused_stale"] > 0                   # the slow worker's gradients come in late
+    assert result.metrics["max_applied_staleness"] == 0          # the servers' own count of what they applied
+    assert all(row["staleness"] == 0 for row in result.history)
+    order = GlobalSampleOrder(DIGITS_TRAIN_SAMPLES, 48, 0)
+    kept = sorted(a["samples"] for applications in result.ledger.values() for a in applications if a["kept"])
+    assert kept == sorted(order.rank_indices(step, 0, 1).tolist() for step in range(60))
+
+
+def test_async_settings_are_checked():
+    with pytest.raises(ValueError, match="strategy.max_staleness"):
+        load_job_config(None, ["strategy.name=async_ps", "strategy.max_staleness=-1"])
+    with pytest.raises(ValueError, match=r"faults\[0\].rank.*below strategy.num_servers \(1\)"):
+        load_job_config(None, ["strategy.name=async_ps", "faults=[{action: kill_server, rank: 1, step: 5}]"])
+    with pytest.raises(ValueError, match="kill_server only with strategy.name=async_ps"):
+        load_job_config(None, ["faults=[{action: kill_server, rank: 0, step: 5}]"])
+    with pytest.raises(ValueError, match="scaling.spare_workers is not supported with strategy.name=async_ps"):
+        load_job_config(None, ["strategy.name=async_ps", "scaling.spare_workers=1"])
