@@ -39,6 +39,7 @@ from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, 
 from actors.recipe import clip_gradients, learning_rate, set_learning_rate
 from jobconfig import DataConfig, OptimConfig
 from strategies.base import Strategy, TrainState
+from strategies.compression.accounting import CommTraffic
 from workloads.protocol import Workload
 
 
@@ -173,13 +174,16 @@ class StepRunner:
             skipped = True
         between_steps = self.strategy.after_step(state, step_index + 1, len(indices),
                                                  last=step_index + 1 == self.total_steps)
+        if isinstance(between_steps, int):
+            between_steps = CommTraffic(bytes_sent=between_steps, uncompressed_bytes=between_steps)
         traffic = state.comm.state.take_traffic() if state.comm else None
         timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
         return StepResult(step=step_index + 1, loss_sum=loss_value, samples=len(indices),
                           duration_s=time.perf_counter() - started, finished_at=time.time(),
                           sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm, compute_s=compute_s,
-                          bytes_sent=(traffic.bytes_sent if traffic else 0) + between_steps,
-                          uncompressed_bytes=(traffic.uncompressed_bytes if traffic else 0) + between_steps,
+                          bytes_sent=(traffic.bytes_sent if traffic else 0) + between_steps.bytes_sent,
+                          uncompressed_bytes=(traffic.uncompressed_bytes if traffic else 0)
+                          + between_steps.uncompressed_bytes,
                           comm_s=timing.comm_s if timing else None,
                           exposed_comm_s=timing.exposed_comm_s if timing else None)
 

@@ -11,6 +11,8 @@ StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "diloco", "async_ps"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 Compression = Literal["none", "fp16", "bf16", "powersgd", "topk", "onebit", "int8"]
 COMPRESSIONS: tuple[str, ...] = get_args(Compression)
+DiLoCoCompression = Literal["none", "fp16", "bf16"]
+DILOCO_COMPRESSIONS: tuple[str, ...] = get_args(DiLoCoCompression)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +31,8 @@ class StrategyConfig:
     CPUOffloadPolicy); meaningful on GPUs only."""
     compression: Compression = "none"
     """ddp gradient compression (a DDP comm hook): 16-bit, PowerSGD, top-k or 1-bit with error
-    feedback, or 8-bit with a per-bucket scale."""
+    feedback, or 8-bit with a per-bucket scale. diloco: fp16 or bf16 all-reduces the averaged parameter
+    change (the pseudo-gradient) in 16 bits, half the bytes of float32."""
     powersgd_rank: int = 4
     """PowerSGD's matrix approximation rank r: each n x m gradient travels as (n + m) r numbers.
     1-2 is often enough for convolutions, 4+ for transformers (Vogels et al. 2019)."""
@@ -88,8 +91,12 @@ class StrategyConfig:
         require(self.compression in COMPRESSIONS, "strategy.compression", one_of(COMPRESSIONS), self.compression)
         require(isinstance(self.hierarchical, bool), "strategy.hierarchical", "true or false", self.hierarchical)
         require(isinstance(self.comm_timing, bool), "strategy.comm_timing", "true or false", self.comm_timing)
-        for name, value in (("compression", self.compression != "none"), ("hierarchical", self.hierarchical),
-                            ("comm_timing", self.comm_timing)):
+        if self.compression != "none" and self.name not in ("ddp", "diloco"):
+            raise ValueError(f"strategy.compression works with strategy.name=ddp or diloco only, got {self.name!r}")
+        if self.name == "diloco" and self.compression not in DILOCO_COMPRESSIONS:
+            raise ValueError(f"strategy.compression with strategy.name=diloco takes none, fp16 or bf16, got "
+                             f"{self.compression!r}")
+        for name, value in (("hierarchical", self.hierarchical), ("comm_timing", self.comm_timing)):
             if value and self.name != "ddp":
                 raise ValueError(f"strategy.{name} works with strategy.name=ddp only, got {self.name!r}")
         if self.hierarchical and self.compression != "none":

@@ -26,5 +26,5 @@ def build_strategy(config: StrategyConfig) -> Strategy:
                             replicas=config.replicas)
     if config.name == "diloco":
         return DiLoCoStrategy(sync_every=config.sync_every, outer_lr=config.outer_lr,
-                              outer_momentum=config.outer_momentum)
+                              outer_momentum=config.outer_momentum, compression=config.compression)
     raise ValueError(f"strategy.name={config.name!r} is not implemented")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from strategies.checkpoint import load_into
+from strategies.compression.accounting import CommTraffic
 from strategies.shard_layout import ShardLayout
 
 ModelFactory = Callable[[], torch.nn.Module]
@@ -112,9 +113,10 @@ class Strategy(Protocol):
         """Skip gradient communication (every micro-batch but the last of a step)."""
         ...
 
-    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> int:
+    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> int | CommTraffic:
         """After the optimizer's step ``step`` (1-based; ``last``: the run's last), on ``samples`` samples of this
-        rank: any communication the strategy does between steps; returns the bytes it sent."""
+        rank: any communication the strategy does between steps; returns the bytes it sent, or a CommTraffic
+        when it compressed them (what was sent and what it would have sent uncompressed)."""
         ...
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:

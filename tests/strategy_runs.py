@@ -1,4 +1,5 @@
-"""Functions run on every rank by tests/test_zero.py (importable by spawned processes)."""
+"""Functions run on every rank by tests/test_zero.py and tests/test_diloco.py (importable by spawned
+processes)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from jobconfig import OptimConfig, StrategyConfig
 from strategies import build_strategy
 from strategies.base import GroupContext, init_optimizer_state
 from strategies.checkpoint import Checkpointer, load_into
+from strategies.diloco import WIRE_DTYPES, OuterState
 from workloads import load_workload
 
 WORKLOAD = ("chargpt", {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "corpus_chars": 60_000})
@@ -54,6 +56,31 @@ def train_and_report(strategy_name: str, steps: int, checkpoint_root: str | None
         checkpointer.save(steps, strategy.state_dict(state), strategy=strategy_name,
                           world_size=dist.get_world_size()).result()
     return full_state(strategy, state)
+
+
+def train_and_count_bytes(strategy_name: str, steps: int, options: dict | None = None) -> dict[str, Any]:
+    """Train ``steps`` steps (adamw, even shares); rank 0: the full state and every step's bytes sent and
+    uncompressed bytes (this rank's, as StepResult reports them)."""
+    strategy, state, runner = setup(strategy_name, "adamw", 1, options)
+    results = [runner.run(state, step) for step in range(steps)]
+    if dist.get_rank():
+        return {}
+    return {"state": full_state(strategy, state), "bytes_sent": [r.bytes_sent for r in results],
+            "uncompressed_bytes": [r.uncompressed_bytes for r in results]}
+
+
+def outer_step_after_many_samples(compression: str, samples: int, change: float) -> torch.Tensor:
+    """One diloco outer step (lr 1, no momentum) from global parameters of zeros, rank r having moved them by
+    ``-(r + 1) * change`` over ``(r + 1) * samples`` samples; returns the new global parameters."""
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    outer = OuterState(model, lr=1.0, momentum=0.0, wire_dtype=WIRE_DTYPES[compression])
+    rank = dist.get_rank()
+    with torch.no_grad():
+        model.weight.fill_(-(rank + 1) * change)
+    outer.samples = (rank + 1) * samples
+    outer.step(model)
+    return outer.params[0].detach().clone()
 
 
 def restore_and_report(strategy_name: str, directory: str) -> dict[str, Any]:
