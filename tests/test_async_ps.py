@@ -123,9 +123,11 @@ def applied_tickets(result, steps: int) -> None:
 def test_async_training_reaches_ddps_accuracy(tmp_path):
     settings = ["training.steps=300", "training.global_batch_size=64"]
     ddp = train(job(*settings, name="ps-ddp"), run_dir=tmp_path / "ddp")
-    ps = train(job(*settings, "strategy.name=async_ps", "strategy.server_cpus=0.5", name="ps-run"),
-               run_dir=tmp_path / "ps")
+    ps = train(job(*settings, "strategy.name=async_ps", "strategy.server_cpus=0.5", "eval.every_steps=100",
+                   name="ps-run"), run_dir=tmp_path / "ps")
     assert ps.final_step == 300
+    evaluated = [row["step"] for row in ps.eval_history]  # during training (as soon as 100 more steps are applied:
+    assert len(evaluated) == 3 and 100 <= evaluated[0] < 200 <= evaluated[1] < 300 == evaluated[2]  # workers go on)
     assert ps.metrics["accuracy"] >= ddp.metrics["accuracy"] - 0.02, (ps.metrics, ddp.metrics)
     assert ps.metrics["max_applied_staleness"] <= 4
     rows = ps.history
