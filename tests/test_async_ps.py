@@ -156,6 +156,18 @@ def test_killed_and_stalled_workers_and_a_killed_server_are_survived_and_every_s
 
 
 @pytest.mark.usefixtures("ray_local")
+def test_a_server_lost_at_the_last_update_brings_workers_back_for_the_steps_taken_back(tmp_path):
+    """The last update admitted, the workers are told there are no more steps and leave; then the restore takes
+    steps back: new workers must compute them."""
+    result = train(job("training.steps=40", "strategy.name=async_ps", "strategy.server_cpus=0.5",
+                       "checkpoint.every_steps=10", "faults=[{action: kill_server, rank: 0, step: 40}]",
+                       name="ps-last"), run_dir=tmp_path)
+    assert result.final_step == 40
+    restored = [e for e in result.events if e.type == "generation_formed" and e.details["state_source"] == "checkpoint"]
+    assert [e.step for e in restored] == [30]
+
+
+@pytest.mark.usefixtures("ray_local")
 def test_staleness_beyond_the_bound_never_reaches_the_parameters(tmp_path):
     result = train(job("training.steps=60", "strategy.name=async_ps", "strategy.max_staleness=0",
                        "strategy.server_cpus=0.5", "scaling.max_workers=3", "training.record_samples=true",

@@ -62,6 +62,8 @@ class AsyncController:
         self.shards: tuple[tuple[str, ...], ...] = ()
         self.workers: dict[str, tuple[int, Any, Any]] = {}
         """Name -> (index, actor, its ``run`` ref)."""
+        self.starts: dict[int, int] = {}
+        """Workers started per index (the next one's name is worker<index>.<starts>)."""
         self.in_flight: dict[int, str] = {}
         """Admitted updates whose worker has not asked for its next step yet (it may still be pushing)."""
         self.lease_started: dict[str, float] = {}
@@ -188,7 +190,8 @@ class AsyncController:
 
     def _start_worker(self, index: int) -> None:
         job = self.job
-        name = f"{self.prefix}worker{index}.{self.failures}"
+        self.starts[index] = self.starts.get(index, -1) + 1
+        name = f"{self.prefix}worker{index}.{self.starts[index]}"
         spec = AsyncWorkerSpec(name=name, workload=job.workload, training=job.training, optim=job.optim,
                                data=job.data, use_gpu=job.scaling.use_gpu,
                                torch_threads=max(1, int(job.scaling.cpus_per_worker)),
@@ -234,6 +237,7 @@ class AsyncController:
             self._worker_ended(refs[ref], ref)
         self._check_heartbeats()
         self._kill_hung_workers()
+        self._bring_workers_back()
         self._evaluate_when_due()
         every = self.job.checkpoint.every_steps
         if every and self.book.version // every > self.pruned_at // every:
@@ -241,12 +245,13 @@ class AsyncController:
             prune(self.checkpoint_root, self.job.checkpoint.num_to_keep)
 
     def _worker_ended(self, name: str, ref: Any) -> None:
-        index, _, _ = self.workers.pop(name)
+        index, actor, _ = self.workers.pop(name)
         self.heartbeats.forget(name)
         self.working.discard(name)
         try:
             ray.get(ref)
-            return  # no more steps for it: the run is finishing
+            ray.kill(actor)  # it was told there are no more steps: its slot is free for one that may be needed
+            return
         except ray.exceptions.RayTaskError as error:  # an error in the job's code: retrying would repeat it
             raise RunFailed(f"{name} raised: {error.cause!r}{self._note()}\n{error}") from None
         except ray.exceptions.RayError as error:
@@ -296,6 +301,15 @@ class AsyncController:
         self._restore_servers(found[0] if found else None, steps_lost=1)
         self.state = "running"
 
+    def _bring_workers_back(self) -> None:
+        """Workers that left when there were no more steps, if a server restore took steps back since."""
+        if self.book.done or self.stop_requested:
+            return
+        present = {index for index, _, _ in self.workers.values()}
+        for index in range(self.job.scaling.max_workers):
+            if index not in present:
+                self._start_worker(index)
+
     def _kill_hung_workers(self) -> None:
         now = time.monotonic()
         with self.lock:
@@ -311,7 +325,10 @@ class AsyncController:
                             f"{self.job.failure.max_failures}{self._note()}")
 
     def _servers_caught_up(self) -> bool:
-        return all(v == self.book.version for v in ray.get([s.version_now.remote() for s in self.servers]))
+        try:
+            return all(v == self.book.version for v in ray.get([s.version_now.remote() for s in self.servers]))
+        except ray.exceptions.RayError:  # a server is lost: the heartbeats find it next and the servers are restored
+            return False
 
     # -- evaluating and finishing ---------------------------------------------------------------------------
     def _model(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
