@@ -115,6 +115,8 @@ class RunLog:
         (``add_samples``). Returns the step's row when this report completes it."""
         timings = {} if result.comm_s is None else {"comm_s": round(result.comm_s, 5),
                                                     "exposed_comm_s": round(result.exposed_comm_s, 5)}
+        if result.link_delay_s:
+            timings["link_delay_s"] = round(result.link_delay_s, 5)
         if result.skipped:
             timings["skipped"] = True
         if result.sample_ids is not None:

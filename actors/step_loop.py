@@ -18,6 +18,9 @@ rank alike without a collective of its own: after the gradient reduction every s
 gradients on every rank, so the norm is the same everywhere, and a NaN loss on one rank makes it NaN.
 Under fp16 an inf/NaN gradient is the loss scaler's overflow signal instead: it skips the step and
 lowers the scale; only a non-finite loss then counts.
+
+With an emulated slow link (``link:``, strategies/emulated_link.py) a step that sent bytes ends with a
+sleep of what they would take on it, after its communication: the step takes longer, its math is the same.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, 
 from actors.recipe import clip_gradients, learning_rate, set_learning_rate
 from jobconfig import DataConfig, OptimConfig
 from strategies.base import Strategy, TrainState
-from strategies.compression.accounting import CommTraffic
+from strategies.emulated_link import EmulatedLink
 from workloads.protocol import Workload
 
 
@@ -76,6 +79,8 @@ class StepResult:
     """The global L2 norm of the step's gradient, before clipping."""
     compute_s: float = 0.0
     """This rank's own compute in the step, without waiting for its peers (actors/compute_clock.py)."""
+    link_delay_s: float = 0.0
+    """The emulated link's delay for the step's bytes (``link:``), part of ``duration_s``; 0 without one."""
 
 
 @dataclass
@@ -103,6 +108,8 @@ class StepRunner:
     """How each step's global batch is split over the ranks (None: evenly over the current group)."""
     clock: ComputeClock | None = None
     """Measures each step's compute time (None: the step's duration stands for it)."""
+    link: EmulatedLink | None = None
+    """An emulated slow link: each step that sent bytes sleeps what they take on it (None: none)."""
     _unthrottled_compute_s: float = field(default=0.0, init=False, repr=False)
     """The last step's compute time less its throttle: what a throttle multiplies."""
 
@@ -174,18 +181,20 @@ class StepRunner:
             skipped = True
         between_steps = self.strategy.after_step(state, step_index + 1, len(indices),
                                                  last=step_index + 1 == self.total_steps)
-        if isinstance(between_steps, int):
-            between_steps = CommTraffic(bytes_sent=between_steps, uncompressed_bytes=between_steps)
         traffic = state.comm.state.take_traffic() if state.comm else None
         timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
+        bytes_sent = (traffic.bytes_sent if traffic else 0) + between_steps.bytes_sent
+        link_delay_s = self.link.delay_s(bytes_sent, messages=1 if bytes_sent else 0) if self.link else 0.0
+        if link_delay_s:
+            time.sleep(link_delay_s)
         return StepResult(step=step_index + 1, loss_sum=loss_value, samples=len(indices),
                           duration_s=time.perf_counter() - started, finished_at=time.time(),
                           sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm, compute_s=compute_s,
-                          bytes_sent=(traffic.bytes_sent if traffic else 0) + between_steps.bytes_sent,
+                          bytes_sent=bytes_sent,
                           uncompressed_bytes=(traffic.uncompressed_bytes if traffic else 0)
                           + between_steps.uncompressed_bytes,
                           comm_s=timing.comm_s if timing else None,
-                          exposed_comm_s=timing.exposed_comm_s if timing else None)
+                          exposed_comm_s=timing.exposed_comm_s if timing else None, link_delay_s=link_delay_s)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "fp32":

@@ -47,6 +47,7 @@ from jobconfig import (
     EvalConfig,
     FaultConfig,
     JobConfig,
+    LinkConfig,
     OptimConfig,
     StrategyConfig,
     TrainingConfig,
@@ -55,6 +56,7 @@ from jobconfig import (
 from strategies import build_strategy
 from strategies.base import GroupContext, TrainState, init_optimizer_state, load_scaler, memory_breakdown
 from strategies.checkpoint import Checkpointer, load_into
+from strategies.emulated_link import EmulatedLink
 from strategies.peer_restore import PeerRestorePlan, ShardCopy
 from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group
 from strategies.shard_copy import KeptShards, gather_shards, keep_shards, load_full_state
@@ -84,6 +86,8 @@ class WorkerSpec:
     """scaling.balance: "auto", the batch split follows the ranks' speeds; "off", even."""
     straggler_factor: float = 4.0
     """scaling.straggler_factor."""
+    link: LinkConfig = LinkConfig()
+    """An emulated slow link (tests and demos)."""
 
     @classmethod
     def for_job(cls, job: JobConfig, checkpointer: Checkpointer, profile_dir: str | None = None) -> WorkerSpec:
@@ -91,7 +95,8 @@ class WorkerSpec:
         return cls(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
                    data=job.data, eval=job.eval, use_gpu=job.scaling.use_gpu,
                    torch_threads=max(1, int(job.scaling.cpus_per_worker)), checkpointer=checkpointer,
-                   profile_dir=profile_dir, balance=job.scaling.balance, straggler_factor=job.scaling.straggler_factor)
+                   profile_dir=profile_dir, balance=job.scaling.balance, straggler_factor=job.scaling.straggler_factor,
+                   link=job.link)
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ class TrainWorker:
             micro_batch_size=training.micro_batch_size, device=self.device, optim=spec.optim,
             total_steps=training.steps, seed=training.seed, record_samples=training.record_samples,
             precision=training.precision, scaler=torch.amp.GradScaler("cuda") if training.precision == "fp16" else None,
-            on_nonfinite=training.on_nonfinite, clock=ComputeClock(self.device))
+            on_nonfinite=training.on_nonfinite, clock=ComputeClock(self.device), link=EmulatedLink.of(spec.link))
         self.evaluator = Evaluator(self.workload, batch_size=spec.eval.batch_size, device=self.device,
                                    autocast=self.runner.autocast)
         self.status = StatusMailbox()

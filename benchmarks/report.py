@@ -34,6 +34,7 @@ TITLES = {  # page order; a result file not named here gets a generic section af
     "memory": "Memory",
     "checkpoint": "Checkpoints",
     "communication": "Communication",
+    "slow_links": "Slow links: time to a target loss",
 }
 
 
@@ -324,6 +325,28 @@ def communication(result: dict) -> list[str]:
                                                           if "note" in result.get("machine", {}) else [])]
 
 
+def slow_links(result: dict) -> list[str]:
+    summary, verdicts = result["summary"], {True: "met", False: "not met", None: "not measured"}
+    rounds = len(next(iter(result["runs"].values())))
+
+    def seconds(value: float | None) -> str:
+        return "never" if value is None else fmt(value, 1)
+
+    rows = [[name, f"{seconds(s['time_to_target_s'])}", "-" if s["time_over_baseline"] is None
+             else f"**{s['time_over_baseline']:.2f}x** {s['baseline']}", fmt(s["steps_to_target"]),
+             fmt(s["bytes_per_sample"] / 1e3, 1), f"**{s['bytes_fewer_than_baseline']:.1f}x**",
+             f"{s['median_step_s'] * 1000:.0f} ({s['link_delay_s_per_step'] * 1000:.0f})",
+             fmt(s["eval_loss"], 3), f"{s['accuracy']:.1%}"] for name, s in summary.items()]
+    goals = ", ".join(f"{goal} {value}: {verdicts[result['goals_met'].get(goal)]}"
+                      for goal, value in result["goals"].items())
+    return [f"Emulated link {result['job']['link']}; target: {result['definitions']['target_loss']} = "
+            f"**{result['target_loss']:.4f}**; medians over {rounds} rounds:", "",
+            table(["side", "time to target, s", "time vs baseline", "steps to target", "kB sent per sample",
+                   "bytes fewer than baseline", "step ms (link delay ms)", "eval loss", "accuracy"], rows), "",
+            f"Goals: {goals}.", "", f"Job: {params_line({k: v for k, v in result['job'].items() if k != 'sides'})}.",
+            "", "Definitions:", ""] + [f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
+
+
 def generic(result: dict) -> list[str]:
     scalars = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k not in ("command", "date")}
     return [f"Recorded: {params_line(scalars)}." if scalars else "(no scalar fields recorded)"]
@@ -332,7 +355,7 @@ def generic(result: dict) -> list[str]:
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "throughput": throughput, "step_costs": step_costs, "step_costs_ray": step_costs, "recovery": recovery,
     "redundancy": redundancy, "balance": balance,
-    "memory": memory, "checkpoint": checkpoint, "communication": communication}
+    "memory": memory, "checkpoint": checkpoint, "communication": communication, "slow_links": slow_links}
 
 
 def read_notes() -> tuple[str, dict[str, str]]:

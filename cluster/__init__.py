@@ -14,6 +14,7 @@ from jobconfig import (
     EvalConfig,
     FailureConfig,
     JobConfig,
+    LinkConfig,
     OptimConfig,
     ScalingConfig,
     StrategyConfig,
@@ -23,8 +24,9 @@ from jobconfig import (
     load_job_config,
 )
 
-__all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "FailureConfig", "JobConfig", "OptimConfig", "ScalingConfig",
-           "StrategyConfig", "TrackingConfig", "TrainingConfig", "WorkloadConfig", "load_job_config", "train"]
+__all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "FailureConfig", "JobConfig", "LinkConfig", "OptimConfig",
+           "ScalingConfig", "StrategyConfig", "TrackingConfig", "TrainingConfig", "WorkloadConfig", "load_job_config",
+           "train"]
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,7 @@ Example::
 """
 
 from jobconfig.job import JobConfig
+from jobconfig.link import LinkConfig
 from jobconfig.loading import job_config_from_dict, load_job_config
 from jobconfig.outputs import CheckpointConfig, TrackingConfig
 from jobconfig.scaling import FAULT_ACTIONS, FailureConfig, FaultConfig, ScalingConfig
@@ -30,6 +31,6 @@ from jobconfig.training import (
 )
 
 __all__ = ["COMPRESSIONS", "FAULT_ACTIONS", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "STRATEGIES", "CheckpointConfig",
-           "DataConfig", "EvalConfig", "FailureConfig", "FaultConfig", "JobConfig", "OptimConfig", "ScalingConfig",
-           "StrategyConfig", "TrackingConfig", "TrainingConfig", "WorkloadConfig", "job_config_from_dict",
-           "load_job_config"]
+           "DataConfig", "EvalConfig", "FailureConfig", "FaultConfig", "JobConfig", "LinkConfig", "OptimConfig",
+           "ScalingConfig", "StrategyConfig", "TrackingConfig", "TrainingConfig", "WorkloadConfig",
+           "job_config_from_dict", "load_job_config"]

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from jobconfig.checks import is_number, require
+from jobconfig.link import LinkConfig
 from jobconfig.naming import RUN_NAME_CHARACTERS, is_run_name
 from jobconfig.outputs import CheckpointConfig, TrackingConfig
 from jobconfig.scaling import FailureConfig, FaultConfig, ScalingConfig
@@ -29,6 +30,8 @@ class JobConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    """An emulated slow link between the workers (tests and demos); off by default."""
     faults: tuple[FaultConfig, ...] = ()
     """Faults to inject (tests and demos); empty for real runs."""
 

@@ -113,10 +113,10 @@ class Strategy(Protocol):
         """Skip gradient communication (every micro-batch but the last of a step)."""
         ...
 
-    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> int | CommTraffic:
+    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> CommTraffic:
         """After the optimizer's step ``step`` (1-based; ``last``: the run's last), on ``samples`` samples of this
-        rank: any communication the strategy does between steps; returns the bytes it sent, or a CommTraffic
-        when it compressed them (what was sent and what it would have sent uncompressed)."""
+        rank: any communication the strategy does between steps; returns what it sent (and what it would have
+        sent uncompressed): NO_TRAFFIC for none."""
         ...
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from strategies.base import CommInstruments, GroupContext, ModelFactory, OptimizerFactory, TrainState
 from strategies.compression import CommHook, CompressionOptions, make_comm_hook
-from strategies.compression.accounting import UncompressedTraffic
+from strategies.compression.accounting import NO_TRAFFIC, CommTraffic, UncompressedTraffic
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
 from strategies.hierarchical import make_hierarchical_hook
 from strategies.overlap import CommTimer
@@ -91,8 +91,8 @@ class DDPStrategy:
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return ddp_no_sync(state.wrapped)
 
-    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> int:
-        return 0
+    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> CommTraffic:
+        return NO_TRAFFIC
 
     def hand_over(self, state: TrainState, step: int, *, source_rank: int, device: torch.device,
                   scaler: torch.amp.GradScaler | None = None) -> int:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from jobconfig.strategy import DiLoCoCompression
 from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState
-from strategies.compression.accounting import CommTraffic
+from strategies.compression.accounting import NO_TRAFFIC, CommTraffic
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
 from strategies.state_transfer import broadcast_training_state
 
@@ -130,7 +130,7 @@ class DiLoCoStrategy:
         """After the inner optimizer's step ``step`` on ``samples`` samples: the outer step when one is due."""
         state.outer.samples += samples
         if step % self.sync_every and not last:
-            return CommTraffic(bytes_sent=0, uncompressed_bytes=0)
+            return NO_TRAFFIC
         return state.outer.step(state.model)
 
     def hand_over(self, state: TrainState, step: int, *, source_rank: int, device: torch.device,

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
+from strategies.compression.accounting import NO_TRAFFIC, CommTraffic
 from strategies.shard_layout import ShardLayout, effective_replicas
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,8 @@ class FSDPStrategy:
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return _without_gradient_sync(state.model)
 
-    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> int:
-        return 0
+    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> CommTraffic:
+        return NO_TRAFFIC
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         model, optimizer = get_state_dict(state.model, state.optimizer, options=_OPTIONS)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
+from strategies.compression.accounting import NO_TRAFFIC, CommTraffic
 from strategies.ddp import ddp_no_sync, wrap_ddp
 from strategies.flat_state import copy_into, model_entries, optimizer_entries
 from strategies.fsdp import generation_mesh, release_group_with, replicas_for_group
@@ -124,8 +125,8 @@ class Zero1Strategy:
     def no_sync(self, state: TrainState) -> AbstractContextManager:
         return ddp_no_sync(state.wrapped)
 
-    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> int:
-        return 0
+    def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> CommTraffic:
+        return NO_TRAFFIC
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         optimizer: ShardedOptimizer = state.optimizer  # type: ignore[assignment]

@@ -34,6 +34,7 @@ from jobconfig import JobConfig, job_config_from_dict
 NOT_TUNABLE = {
     "name": "it names the sweep's jobs",
     "faults": "faults are injected through the base job",
+    "link": "an emulated link is set in the base job, as faults are: it changes time, not the math",
     "workload.name": "a sweep tunes one workload",
     "workload.options": "a mapping, not a value",
     "checkpoint.path": "every trial keeps its checkpoints in its own directory",

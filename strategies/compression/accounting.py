@@ -33,6 +33,9 @@ class CommTraffic:
     """Bytes an uncompressed all-reduce of the same buckets would have contributed."""
 
 
+NO_TRAFFIC = CommTraffic(bytes_sent=0, uncompressed_bytes=0)
+
+
 class HookState:
     """The state every hook of this package carries: its group, byte counters and step count.
 
