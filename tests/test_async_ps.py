@@ -181,6 +181,16 @@ def test_staleness_beyond_the_bound_never_reaches_the_parameters(tmp_path):
     assert kept == sorted(order.rank_indices(step, 0, 1).tolist() for step in range(60))
 
 
+@pytest.mark.usefixtures("ray_local")
+def test_an_emulated_link_delays_each_pull_and_push(tmp_path):
+    result = train(job("training.steps=10", "strategy.name=async_ps", "strategy.server_cpus=0.5",
+                       "link.bandwidth_gbit_s=0.1", "link.latency_ms=2", name="ps-link"), run_dir=tmp_path)
+    for row in result.history:
+        crossing_s = 2 * 0.002 + (row["bytes_sent"] + row["bytes_received"]) * 8 / 0.1e9
+        assert row["link_delay_s"] == pytest.approx(crossing_s, abs=1e-5)
+        assert row["step_s"] > crossing_s
+
+
 def test_async_settings_are_checked():
     with pytest.raises(ValueError, match="strategy.max_staleness"):
         load_job_config(None, ["strategy.name=async_ps", "strategy.max_staleness=-1"])

@@ -144,6 +144,8 @@ class AsyncController:
             update = admission.update
             self.in_flight[update] = worker
             extra = {"skipped": True} if report.skipped else {}
+            if report.link_delay_s:
+                extra["link_delay_s"] = round(report.link_delay_s, 5)
             self.log.add_step(update, time.time(), generation=self.epoch, rank=0, world_size=1,
                               loss_sum=report.loss_sum, samples=report.samples, step_s=report.step_s,
                               bytes_sent=report.bytes_sent, uncompressed_bytes=report.bytes_sent,
@@ -196,7 +198,7 @@ class AsyncController:
                                data=job.data, use_gpu=job.scaling.use_gpu,
                                torch_threads=max(1, int(job.scaling.cpus_per_worker)),
                                server_timeout_s=job.failure.collective_timeout_s,
-                               faults=tuple(f for f in self.worker_faults if f.rank == index))
+                               faults=tuple(f for f in self.worker_faults if f.rank == index), link=job.link)
         actor = AsyncWorkerActor.options(
             name=name, num_cpus=job.scaling.cpus_per_worker, num_gpus=1 if job.scaling.use_gpu else 0,
             resources=job.scaling.resources_per_worker or None, max_restarts=0, scheduling_strategy=self._bundle(index),

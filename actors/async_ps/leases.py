@@ -34,6 +34,8 @@ class StepReport:
     """The gradient bytes pushed to the servers."""
     bytes_received: int
     """The parameter bytes pulled from them."""
+    link_delay_s: float = 0.0
+    """What the emulated link (``link:``) added to the pull and the push."""
     skipped: bool = False
     """The loss or gradient was inf/NaN and training.on_nonfinite=skip: the update changes nothing."""
     sample_ids: list[int] | None = None

@@ -28,6 +28,8 @@ from actors.faults import fire
 from actors.recipe import clip_gradients
 from actors.step_loop import NonFiniteStep, seed_rng, step_seed
 from jobconfig import DataConfig, FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
+from jobconfig.link import LinkConfig
+from strategies.emulated_link import EmulatedLink
 from strategies.process_group import choose_device
 from workloads import load_workload
 
@@ -48,6 +50,9 @@ class AsyncWorkerSpec:
     """How long a pull or push may wait for a server (failure.collective_timeout_s)."""
     faults: tuple[FaultConfig, ...] = ()
     """The faults aimed at this worker's index."""
+    link: LinkConfig = LinkConfig()
+    """An emulated slow link (strategies/emulated_link.py): the pull and the push each sleep what their bytes take
+    on it, one after the other (a worker pulls before it computes and pushes after)."""
 
 
 class AsyncWorker:
@@ -64,7 +69,7 @@ class AsyncWorker:
         self.model = self.workload.build_model().to(self.device)
         self.parameters = dict(self.model.named_parameters())
         self.fired: set[FaultConfig] = set()
-        self.throttled_s = 0.0
+        self.link = EmulatedLink.of(spec.link)
 
     def ping(self) -> bool:
         """Answered from the actor's second thread while ``run`` computes: the process is alive."""
@@ -94,9 +99,10 @@ class AsyncWorker:
             ray.get(self.controller.give_back.remote(self.spec.name, lease.ticket))
             return 0
         received = self._load(pulled)
+        pull_delay_s = self._cross_link(received)
         self._fire_faults(lease.ticket)
         loss_sum, samples, sample_ids = self._gradient(lease.ticket)
-        compute_s = time.perf_counter() - started
+        compute_s = time.perf_counter() - started - pull_delay_s
         factor = max((f.factor for f in self.spec.faults if f.action == "throttle" and f.active_at(lease.ticket + 1)),
                      default=1.0)
         if factor > 1:
@@ -110,10 +116,12 @@ class AsyncWorker:
         shares = [{name: self.parameters[name].grad.detach() for name in names} if finite else {}
                   for names in lease.shards]
         sent = sum(g.numel() * g.element_size() for share in shares for g in share.values())
+        push_delay_s = self.link.delay_s(sent, messages=1) if self.link else 0.0
         report = StepReport(ticket=lease.ticket, read_versions=[version for _, version, _ in pulled],
                             loss_sum=loss_sum, samples=samples, compute_s=compute_s,
-                            step_s=time.perf_counter() - started, grad_norm=grad_norm, bytes_sent=sent,
-                            bytes_received=received, skipped=not finite, sample_ids=sample_ids)
+                            step_s=time.perf_counter() - started + push_delay_s, grad_norm=grad_norm, bytes_sent=sent,
+                            bytes_received=received, link_delay_s=pull_delay_s + push_delay_s, skipped=not finite,
+                            sample_ids=sample_ids)
         update = ray.get(self.controller.admit.remote(self.spec.name, report))
         if update is None:  # too stale: the step goes back in the queue
             return 0
@@ -125,7 +133,15 @@ class AsyncWorker:
             ray.get(pushes, timeout=self.spec.server_timeout_s)
         except (ray.exceptions.RayError, TimeoutError):
             pass  # a server is lost: its restore takes back this update with every other after its checkpoint
+        self._cross_link(sent)
         return 1
+
+    def _cross_link(self, num_bytes: int) -> float:
+        """Sleep what ``num_bytes`` take on the emulated link (one message); returns the seconds."""
+        delay_s = self.link.delay_s(num_bytes, messages=1) if self.link else 0.0
+        if delay_s:
+            time.sleep(delay_s)
+        return delay_s
 
     def _load(self, pulled: list[tuple[int, int, dict[str, torch.Tensor]]]) -> int:
         """The pulled parameters (and buffers) into the model; returns the bytes received."""
