@@ -20,9 +20,10 @@ whether a rank is throttled, compared with its baseline; an asynchronous side is
 - ``diloco_h10``, ``diloco_h50``: one all-reduce of the parameters' change every 10 / 50 steps;
 - ``ddp_throttled``: ddp with the last rank throttled 2x from step 1 (faults ``throttle``: it sleeps its
   previous step's compute before each step), the baseline of the asynchronous side;
-- ``async_ps_throttled``: async_ps with one parameter server, the same throttle: each worker pulls the 17 MB of
-  parameters, computes a whole step (32 samples) and pushes 17 MB of gradients, each crossing the link in turn;
-  its bytes per sample count the pushed gradients (``bytes_received_per_sample``: the pulled parameters).
+- ``async_ps_throttled``: async_ps with two parameter servers, the same throttle: each worker pulls the 17 MB
+  of parameters, computes a whole step (32 samples) and pushes 17 MB of gradients; the link is full duplex, as
+  for the synchronous sides (a push goes out while the worker pulls and computes its next step); its bytes per
+  sample count the pushed gradients (``bytes_received_per_sample``: the pulled parameters).
 
 Time to target: the target is ddp's training loss, smoothed over SMOOTHING_STEPS steps, at TARGET_FRACTION of
 the run; a side's time to it is the time from the commit of its step 1 to the commit of the first step whose
@@ -59,9 +60,10 @@ from cluster.job import train
 from jobconfig import job_config_from_dict
 
 HIDDEN, GLOBAL_BATCH, WORKERS, LR, FACTOR = 2048, 32, 2, 1e-3, 2.0
-SERVER_CPUS = 1.0
-"""async_ps: one parameter server, one CPU: it shares the 2 cores with the two workers (which the synchronous
-sides use alone), and it runs the AdamW step that each DDP rank runs for itself."""
+SERVERS, SERVER_CPUS = 2, 0.5
+"""async_ps: two parameter servers of half a CPU: they share the 2 cores with the two workers (which the
+synchronous sides use alone) and run the AdamW step each DDP rank runs for itself. The link is emulated on the
+workers only: two servers each carry half of every update's bytes, within what one worker's link carries."""
 DEFAULT_STEPS = 300
 WARMUP_RUN_STEPS = 20
 SMOOTHING_STEPS = 20
@@ -87,7 +89,8 @@ SIDES = (Side("ddp", {"name": "ddp"}),
          Side("diloco_h10", {"name": "diloco", "sync_every": 10}),
          Side("diloco_h50", {"name": "diloco", "sync_every": 50}),
          Side("ddp_throttled", {"name": "ddp"}, throttled=True),
-         Side("async_ps_throttled", {"name": "async_ps", "server_cpus": SERVER_CPUS}, throttled=True,
+         Side("async_ps_throttled", {"name": "async_ps", "num_servers": SERVERS, "server_cpus": SERVER_CPUS},
+              throttled=True,
               baseline="ddp_throttled"))
 
 
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     os.chdir(Path(__file__).resolve().parent.parent)  # Ray workers import the workloads from here
     load_before = os.getloadavg()
     with (tempfile.TemporaryDirectory(prefix="raylastic-slow-links-") as scratch,
-          ray_session(min_cpus=WORKERS + SERVER_CPUS)):
+          ray_session(min_cpus=WORKERS + SERVERS * SERVER_CPUS)):
         runs = benchmark(SIDES, args.steps, args.rounds, link, Path(scratch))
     summary = summarize(SIDES, runs)
     machine = {**machine_info(), "load_average_1_5_15_before": [round(v, 2) for v in load_before],

@@ -98,7 +98,7 @@ def test_a_checkpoint_of_two_servers_restores_into_one(tmp_path):
                for i in range(2)]
     for update in (1, 2):
         for server in servers:
-            server.push(1 - 1, update, update - 1, gradients_of(server, 0.1 * update), {}, ticket=update - 1)
+            server.push(0, update, update - 1, gradients_of(server, 0.1 * update), {}, ticket=update - 1)
     directory, version = newest_complete(str(tmp_path))
     assert version == 2
     saved = {**servers[0].state(), **servers[1].state()}
@@ -182,13 +182,18 @@ def test_staleness_beyond_the_bound_never_reaches_the_parameters(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_local")
-def test_an_emulated_link_delays_each_pull_and_push(tmp_path):
-    result = train(job("training.steps=10", "strategy.name=async_ps", "strategy.server_cpus=0.5",
-                       "link.bandwidth_gbit_s=0.1", "link.latency_ms=2", name="ps-link"), run_dir=tmp_path)
-    for row in result.history:
-        crossing_s = 2 * 0.002 + (row["bytes_sent"] + row["bytes_received"]) * 8 / 0.1e9
-        assert row["link_delay_s"] == pytest.approx(crossing_s, abs=1e-5)
-        assert row["step_s"] > crossing_s
+def test_an_emulated_link_delays_pulls_and_overlaps_pushes_with_the_next_step(tmp_path):
+    result = train(job("training.steps=12", "strategy.name=async_ps", "strategy.server_cpus=0.5",
+                       "scaling.min_workers=1", "scaling.max_workers=1", "link.bandwidth_gbit_s=0.01",
+                       "link.latency_ms=2", name="ps-link"), run_dir=tmp_path)
+    rows = result.history
+    pull_s, push_s = (0.002 + rows[0][key] * 8 / 0.01e9 for key in ("bytes_received", "bytes_sent"))
+    assert pull_s > 0.05 and push_s > 0.05                       # ~0.08 s each way for digits' 104 kB
+    assert rows[0]["link_delay_s"] == pytest.approx(pull_s, abs=1e-4)   # the first push finds the link free
+    for row in rows[1:]:  # later ones wait for the last push, less what the pull and the compute overlapped
+        assert pull_s - 1e-4 <= row["link_delay_s"] <= pull_s + push_s - row["compute_s"][0] + 0.01
+    gaps = [b["time_s"] - a["time_s"] for a, b in zip(rows, rows[1:], strict=False)]
+    assert min(gaps) >= max(pull_s, push_s) - 0.01                # one worker: no update sooner than the link allows
 
 
 def test_async_settings_are_checked():

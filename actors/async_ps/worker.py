@@ -51,8 +51,10 @@ class AsyncWorkerSpec:
     faults: tuple[FaultConfig, ...] = ()
     """The faults aimed at this worker's index."""
     link: LinkConfig = LinkConfig()
-    """An emulated slow link (strategies/emulated_link.py): the pull and the push each sleep what their bytes take
-    on it, one after the other (a worker pulls before it computes and pushes after)."""
+    """An emulated slow link (strategies/emulated_link.py), full duplex as the synchronous strategies' is (a rank
+    in a ring all-reduce sends and receives at once, and is charged its bytes once): a pull waits what the
+    parameters take to come in; a push occupies the outgoing direction for what the gradient takes, while the
+    worker pulls and computes its next step; only a push that finds the last one still going waits for it."""
 
 
 class AsyncWorker:
@@ -70,6 +72,8 @@ class AsyncWorker:
         self.parameters = dict(self.model.named_parameters())
         self.fired: set[FaultConfig] = set()
         self.link = EmulatedLink.of(spec.link)
+        self.sending_until = 0.0
+        """When the emulated link's outgoing direction is free again (time.monotonic())."""
 
     def ping(self) -> bool:
         """Answered from the actor's second thread while ``run`` computes: the process is alive."""
@@ -116,11 +120,11 @@ class AsyncWorker:
         shares = [{name: self.parameters[name].grad.detach() for name in names} if finite else {}
                   for names in lease.shards]
         sent = sum(g.numel() * g.element_size() for share in shares for g in share.values())
-        push_delay_s = self.link.delay_s(sent, messages=1) if self.link else 0.0
+        send_wait_s = self._wait_to_send(sent)
         report = StepReport(ticket=lease.ticket, read_versions=[version for _, version, _ in pulled],
                             loss_sum=loss_sum, samples=samples, compute_s=compute_s,
-                            step_s=time.perf_counter() - started + push_delay_s, grad_norm=grad_norm, bytes_sent=sent,
-                            bytes_received=received, link_delay_s=pull_delay_s + push_delay_s, skipped=not finite,
+                            step_s=time.perf_counter() - started, grad_norm=grad_norm, bytes_sent=sent,
+                            bytes_received=received, link_delay_s=pull_delay_s + send_wait_s, skipped=not finite,
                             sample_ids=sample_ids)
         update = ray.get(self.controller.admit.remote(self.spec.name, report))
         if update is None:  # too stale: the step goes back in the queue
@@ -133,15 +137,25 @@ class AsyncWorker:
             ray.get(pushes, timeout=self.spec.server_timeout_s)
         except (ray.exceptions.RayError, TimeoutError):
             pass  # a server is lost: its restore takes back this update with every other after its checkpoint
-        self._cross_link(sent)
         return 1
 
     def _cross_link(self, num_bytes: int) -> float:
-        """Sleep what ``num_bytes`` take on the emulated link (one message); returns the seconds."""
+        """Sleep what ``num_bytes`` take to come in over the emulated link (one message); returns the seconds."""
         delay_s = self.link.delay_s(num_bytes, messages=1) if self.link else 0.0
         if delay_s:
             time.sleep(delay_s)
         return delay_s
+
+    def _wait_to_send(self, num_bytes: int) -> float:
+        """Wait for the emulated link's outgoing direction to be free, then occupy it with ``num_bytes`` (one
+        message); returns the seconds waited."""
+        if not self.link:
+            return 0.0
+        wait_s = max(0.0, self.sending_until - time.monotonic())
+        if wait_s:
+            time.sleep(wait_s)
+        self.sending_until = time.monotonic() + self.link.delay_s(num_bytes, messages=1)
+        return wait_s
 
     def _load(self, pulled: list[tuple[int, int, dict[str, torch.Tensor]]]) -> int:
         """The pulled parameters (and buffers) into the model; returns the bytes received."""
