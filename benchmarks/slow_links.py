@@ -69,8 +69,9 @@ WARMUP_RUN_STEPS = 20
 SMOOTHING_STEPS = 20
 TARGET_FRACTION = 0.5
 GOALS = {"diloco_h50_time_over_ddp_at_most": 0.3, "diloco_h50_bytes_fewer_than_ddp_at_least": 40.0,
-         "async_ps_throttled_time_over_ddp_throttled_below": 1.0}
-"""Issue 20's goals at an emulated 1 Gbit/s."""
+         "async_ps_throttled_time_over_ddp_throttled_below": 0.95}
+"""Issue 20's goals at an emulated 1 Gbit/s. "Async PS beats DDP's time" is read as at least 5% faster: the times
+move by a few percent between rounds on a quiet machine."""
 
 
 @dataclass(frozen=True)
@@ -278,8 +279,8 @@ def describe(steps: int, link: Link) -> dict[str, Any]:
         "time_over_baseline": "median time to target / its baseline's (ddp; async_ps_throttled: ddp_throttled); "
                               "paired: the same per round",
         "bytes_fewer_than_baseline": "the baseline's bytes per sample / the side's",
-        "link_delay_s_per_step": "the emulated link's sleep per step on rank 0 (async PS: per update, pull and "
-                                 "push), mean over the run",
+        "link_delay_s_per_step": "the emulated link's sleep per step on rank 0 (async PS: per update, the pull "
+                                 "and any wait for the last push to go out), mean over the run",
         "emulation": "strategies/emulated_link.py: after a step's communication the rank sleeps its bytes x 8 / "
                      "bandwidth + the latency once; on top of the real local gloo transport; not overlapped "
                      "with backward (an upper bound on DDP's exposed communication); exact per-rank bytes for a "
