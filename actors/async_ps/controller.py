@@ -69,6 +69,8 @@ class AsyncController:
         self.lease_started: dict[str, float] = {}
         """Worker -> when it leased the step it computes (and pushes) now: failure.max_step_s bounds it."""
         self.heartbeats = Heartbeats(job.failure.step_timeout_s)
+        self.killed_because: dict[str, str] = {}
+        """Workers killed as hung -> why (their death's own message says only that they were killed)."""
         self.working: set[str] = set()
         """Workers that asked for a step: constructed (importing torch, loading data: seconds on a busy machine,
         during which a ping waits), so from now on a ping unanswered for failure.step_timeout_s means hung."""
@@ -171,7 +173,7 @@ class AsyncController:
         self.shards = tuple(tuple(shard) for shard in names)
         self.servers = [self._start_server(index) for index in range(job.strategy.num_servers)]
         resume = newest_complete(self.checkpoint_root) if job.checkpoint.resume == "auto" else None
-        self._restore_servers(resume[0] if resume else None, steps_lost=0)
+        self._restore_servers(resume[0] if resume else None)
         if resume is not None:
             self.log.event("resumed", self.book.steps_applied, path=resume[0], version=resume[1])
         for index in range(job.scaling.max_workers):
@@ -214,7 +216,7 @@ class AsyncController:
         return PlacementGroupSchedulingStrategy(placement_group=self.reserved.placement_group,
                                                 placement_group_bundle_index=self.reserved.bundle_indices[position])
 
-    def _restore_servers(self, directory: str | None, steps_lost: int) -> None:
+    def _restore_servers(self, directory: str | None) -> None:
         """Every server to ``directory`` (None: the initial state) in a new epoch, the books with them; logged as
         a generation formed at that version (the ledger keeps no later update of an earlier epoch)."""
         started = time.time()
@@ -228,7 +230,7 @@ class AsyncController:
             self.lease_started.clear()
         self.log.event("generation_formed", versions[0], generation=self.epoch, world_size=self.job.scaling.max_workers,
                        state_source="checkpoint" if directory else "start", path=directory,
-                       steps_lost=max(0, before - self.book.steps_applied) if steps_lost else 0,
+                       steps_lost=max(0, before - self.book.steps_applied),
                        duration_s=round(time.time() - started, 3))
 
     # -- supervising -----------------------------------------------------------------------------------------
@@ -257,7 +259,8 @@ class AsyncController:
         except ray.exceptions.RayTaskError as error:  # an error in the job's code: retrying would repeat it
             raise RunFailed(f"{name} raised: {error.cause!r}{self._note()}\n{error}") from None
         except ray.exceptions.RayError as error:
-            reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+            reason = self.killed_because.pop(name, None) or next(
+                (line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
         with self.lock:
             self.book.worker_lost(name)
             self.lease_started.pop(name, None)
@@ -286,8 +289,9 @@ class AsyncController:
         lost = [(i, late[f"server{i}"]) for i in range(len(self.servers)) if f"server{i}" in late]
         if lost:
             self._recover_servers(lost)
-        for name in late:
+        for name, why in late.items():
             if name in self.workers:
+                self.killed_because[name] = why
                 ray.kill(self.workers[name][1])  # its run ref raises next: replaced as a lost worker
 
     def _recover_servers(self, lost: list[tuple[int, str]]) -> None:
@@ -300,7 +304,7 @@ class AsyncController:
             self.server_faults = [f for f in self.server_faults if f.rank != index]  # it fired
             self.servers[index] = self._start_server(index)
         found = newest_complete(self.checkpoint_root)
-        self._restore_servers(found[0] if found else None, steps_lost=1)
+        self._restore_servers(found[0] if found else None)
         self.state = "running"
 
     def _bring_workers_back(self) -> None:
@@ -318,6 +322,7 @@ class AsyncController:
             hung = [name for name, started in self.lease_started.items() if now - started > self.job.failure.max_step_s]
         for name in hung:
             if name in self.workers:
+                self.killed_because[name] = f"its step ran over failure.max_step_s={self.job.failure.max_step_s}s"
                 ray.kill(self.workers[name][1])  # its run ref raises next: replaced as a lost worker
 
     def _count_failure(self, what: str) -> None:
