@@ -36,7 +36,13 @@ def hang_in_rank_0() -> None:
 
 def rank_blocks(report: str) -> list[str]:
     """The report's per-rank parts, in its order ("rank N ..." up to the next one)."""
-    return ["rank " + block for block in report.split("\nrank ")[1:]]
+    return ["rank " + block for block in report.split("\n\nrank ")[1:]]
+
+
+def assert_only_lost_a_peer(blocks: list[str], ranks: set[str]) -> None:
+    """``blocks`` are exactly ``ranks``'s, each one listed as having raised gloo's error for a peer that went first."""
+    assert {block.split()[1] for block in blocks} == ranks
+    assert all(block.startswith(f"rank {block.split()[1]} raised (only lost a peer):") for block in blocks), blocks
 
 
 def test_a_crashed_rank_is_named_first_with_its_signal():
@@ -44,18 +50,21 @@ def test_a_crashed_rank_is_named_first_with_its_signal():
         run_distributed(segfault_in_rank_1, 3)
     blocks = rank_blocks(str(failure.value))
     assert blocks[0].startswith("rank 1 died:") and "killed by SIGSEGV" in blocks[0], str(failure.value)[:3000]
-    assert "string_at" in blocks[0]  # the Python stack of the crash
-    assert {block.split()[1] for block in blocks[1:]} == {"0", "2"}  # the peers, after it
+    assert "fatalSignalHandler" in blocks[0]  # the faulting thread's native stack (c10's)
+    assert "string_at" in blocks[0]  # faulthandler's Python stack of the crash
+    assert_only_lost_a_peer(blocks[1:], {"0", "2"})
 
 
 def test_a_rank_that_raised_is_named_first_with_its_error():
     with pytest.raises(AssertionError) as failure:
         run_distributed(raise_in_rank_2, 3)
     blocks = rank_blocks(str(failure.value))
-    assert blocks[0].startswith("rank 2") and "ValueError: the real cause" in blocks[0], str(failure.value)[:3000]
+    assert blocks[0].startswith("rank 2 raised:"), str(failure.value)[:3000]
+    assert "ValueError: the real cause" in blocks[0]
+    assert_only_lost_a_peer(blocks[1:], {"0", "1"})
 
 
 def test_a_hung_rank_is_named_as_still_running():
     with pytest.raises(TimeoutError, match=r"rank 0.*still running") as failure:
         run_distributed(hang_in_rank_0, 2, timeout_s=8)
-    assert "rank 1" in str(failure.value)
+    assert "rank 1 returned" in str(failure.value)
