@@ -133,7 +133,7 @@ def test_async_training_reaches_ddps_accuracy(tmp_path):
     rows = ps.history
     assert {row["worker"] for row in rows} == {"raylastic:ps-run:worker0.0", "raylastic:ps-run:worker1.0"}, \
         [e for e in ps.events if e.type == "worker_failed"]
-    assert all(row["bytes_sent"] > 0 and row["bytes_received"] > 0 for row in rows)
+    assert all(row["bytes_sent"] > 0 and row["bytes_received"] > 0 and row["world_size"] == 2 for row in rows)
 
 
 @pytest.mark.usefixtures("ray_local")
