@@ -32,6 +32,7 @@ EventType = Literal[
     "straggler",              # a rank slower than straggler_factor, persistently; ``rank``, ``node_id``,
                               # ``speed_vs_median``
     "worker_draining",        # a worker leaves at the next step boundary; ``workers``, ``reason``
+    "server_failed",          # async_ps: a parameter server died or stopped answering; ``server``, ``reason``
     "finished",               # the final metrics
 ]
 
