@@ -126,9 +126,6 @@ class ParameterServer:
         """This server's share of the final model (parameters; buffers on server 0)."""
         return {name: tensor.detach().clone() for name, tensor in self._served().items()}
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
     # -- inside ---------------------------------------------------------------------------------------------
     def _reset(self) -> None:
         torch.manual_seed(self.spec.training.seed)  # the same initial parameters on every server
