@@ -74,6 +74,13 @@ def loader_inputs(dataset: Dataset, collate: Collate | None) -> tuple[Dataset, C
     return dataset, collate or default_collate
 
 
+def fetch_batch(source: Dataset, collate: Collate, indices: list[int]) -> Any:
+    """``source``'s items at ``indices``, collated: in one call where the dataset fetches many at once
+    (``__getitems__``: TensorRows, Hugging Face datasets), item by item otherwise (what a DataLoader does)."""
+    items = source.__getitems__(indices) if hasattr(source, "__getitems__") else [source[i] for i in indices]
+    return collate(items)
+
+
 def planned_batches(dataset: Dataset, order: GlobalSampleOrder, *, split: BatchSplit, rank: int, first_step: int,
                     until_step: int, micro_batch_size: int | None, collate: Collate | None, data: DataConfig,
                     pin_memory: bool = False) -> Iterator[Any]:

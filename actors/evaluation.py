@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from actors.batches import loader_inputs, to_device
+from actors.batches import fetch_batch, loader_inputs, to_device
 from actors.data_order import rank_slice
 from workloads.protocol import Workload
 
@@ -61,8 +61,7 @@ class Evaluator:
         for number in range(rounds):
             indices = list(range(start + number * self.batch_size, min(stop, start + (number + 1) * self.batch_size)))
             counted = bool(indices)
-            batch = self.collate(self.source.__getitems__(indices or [0]) if hasattr(self.source, "__getitems__")
-                                 else [self.source[i] for i in indices or [0]])
+            batch = fetch_batch(self.source, self.collate, indices or [0])
             result = self.workload.eval_step(model, to_device(batch, self.device))
             names = names or sorted(result)
             values = torch.tensor([float(result[name]) for name in names] + [len(indices)], dtype=torch.float64)

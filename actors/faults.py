@@ -80,12 +80,17 @@ class FaultInjector:
 
     def throttle_factor(self, step: int) -> float:
         """How many times its compute time step ``step`` (1-based) takes on this rank: 1.0 unless throttled."""
-        return max((f.factor for f in self.faults if f.action == "throttle" and f.active_at(step)), default=1.0)
+        return throttle_factor(self.faults, step)
 
     def _wait_for_ray_kill(self) -> None:
         """Never returns: the Controller sees the announcement and ray.kill()s this actor."""
         self.on_ray_kill()
         threading.Event().wait()
+
+
+def throttle_factor(faults: Sequence[FaultConfig], step: int) -> float:
+    """How many times its compute time step ``step`` (1-based) takes under ``faults``' throttles: 1.0 for none."""
+    return max((f.factor for f in faults if f.action == "throttle" and f.active_at(step)), default=1.0)
 
 
 def fire(fault: FaultConfig) -> None:

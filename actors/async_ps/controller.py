@@ -168,8 +168,9 @@ class AsyncController:
     # -- starting ------------------------------------------------------------------------------------------
     def _start(self) -> None:
         job = self.job
-        workload = load_workload(job.workload.name, job.workload.options)
-        sizes = {name: p.numel() for name, p in workload.build_model().named_parameters()}
+        self.workload = load_workload(job.workload.name, job.workload.options)
+        self.evaluator = Evaluator(self.workload, batch_size=job.eval.batch_size, device=torch.device("cpu"))
+        sizes = {name: p.numel() for name, p in self.workload.build_model().named_parameters()}
         names = assign_parameters(sizes, job.strategy.num_servers)
         self.shards = tuple(tuple(shard) for shard in names)
         self.servers = [self._start_server(index) for index in range(job.strategy.num_servers)]
@@ -339,20 +340,17 @@ class AsyncController:
             return False
 
     # -- evaluating and finishing ---------------------------------------------------------------------------
-    def _model(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    def _model(self) -> torch.nn.Module:
         """The servers' parameters and buffers now, in a model built here."""
-        workload = load_workload(self.job.workload.name, self.job.workload.options)
-        model = workload.build_model()
+        model = self.workload.build_model()
         state = {}
         for share in ray.get([s.state.remote() for s in self.servers]):
             state |= {name.removeprefix("buffer."): tensor for name, tensor in share.items()}
         model.load_state_dict(state)
-        return model, model.state_dict()
+        return model
 
-    def _evaluate(self) -> dict[str, float]:
-        workload = load_workload(self.job.workload.name, self.job.workload.options)
-        model, _ = self._model()
-        return Evaluator(workload, batch_size=self.job.eval.batch_size, device=torch.device("cpu")).run(model)
+    def _evaluate(self, model: torch.nn.Module | None = None) -> dict[str, float]:
+        return self.evaluator.run(model or self._model())
 
     def _evaluate_when_due(self) -> None:
         every = self.job.eval.every_steps
@@ -366,9 +364,8 @@ class AsyncController:
         step = self.book.steps_applied
         path = ray.get([s.save.remote() for s in self.servers])[0]
         self.log.event("checkpointed", step, path=path, reason="end of run")
-        model, model_state = self._model()
-        workload = load_workload(self.job.workload.name, self.job.workload.options)
-        metrics = Evaluator(workload, batch_size=self.job.eval.batch_size, device=torch.device("cpu")).run(model)
+        model = self._model()
+        metrics = self._evaluate(model)
         if self.job.eval.every_steps:
             self.log.add_evaluation(step, time.time(), metrics)
         stats = ray.get([s.stats.remote() for s in self.servers])
@@ -380,7 +377,7 @@ class AsyncController:
         self.log.event("finished", step, **{k: round(v, 6) for k, v in metrics.items()})
         self.state = "finished"
         return RunResult(final_step=step, metrics=metrics, history=history, events=self.log.events(),
-                         model_state={k: v.detach().clone() for k, v in model_state.items()}, checkpoint=path,
+                         model_state={k: v.detach().clone() for k, v in model.state_dict().items()}, checkpoint=path,
                          eval_history=self.log.evaluations(),
                          ledger=self.log.ledger() if self.job.training.record_samples else None)
 

@@ -22,9 +22,9 @@ import ray
 import torch
 
 from actors.async_ps.leases import Lease, StepReport
-from actors.batches import loader_inputs, to_device
+from actors.batches import fetch_batch, loader_inputs, to_device
 from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, micro_batches
-from actors.faults import fire
+from actors.faults import fire, throttle_factor
 from actors.recipe import clip_gradients
 from actors.step_loop import NonFiniteStep, seed_rng, step_seed
 from jobconfig import DataConfig, FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
@@ -107,8 +107,7 @@ class AsyncWorker:
         self._fire_faults(lease.ticket)
         loss_sum, samples, sample_ids = self._gradient(lease.ticket)
         compute_s = time.perf_counter() - started - pull_delay_s
-        factor = max((f.factor for f in self.spec.faults if f.action == "throttle" and f.active_at(lease.ticket + 1)),
-                     default=1.0)
+        factor = throttle_factor(self.spec.faults, lease.ticket + 1)
         if factor > 1:
             time.sleep((factor - 1) * compute_s)
         grad_norm = clip_gradients(self.model.parameters(), self.spec.optim.clip_grad_norm)
@@ -189,9 +188,7 @@ class AsyncWorker:
             if not len(chunk):
                 continue
             rows = chunk.tolist()
-            items = (self.source.__getitems__(rows) if hasattr(self.source, "__getitems__")
-                     else [self.source[i] for i in rows])
-            batch = to_device(self.collate(items), self.device)
+            batch = to_device(fetch_batch(self.source, self.collate, rows), self.device)
             seed_rng(step_seed(self.spec.training.seed, ticket, position), self.device)
             position += len(rows)
             if autocast is None:
