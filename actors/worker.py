@@ -32,6 +32,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from actors.allocator import keep_freed_memory
 from actors.async_saver import AsyncSaver
 from actors.compute_clock import ComputeClock
 from actors.data_order import BatchSplit, GlobalSampleOrder
@@ -115,6 +116,7 @@ class TrainWorker:
         priority_warning = run_at_normal_priority()  # before any thread of ours starts: they inherit it
         if priority_warning:
             logger.warning(priority_warning)
+        keep_freed_memory()
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.device = choose_device(spec.use_gpu)

@@ -26,6 +26,7 @@ OUTPUT = REPO_ROOT / "docs" / "benchmarks.md"
 
 TITLES = {  # page order; a result file not named here gets a generic section after these
     "throughput": "Throughput",
+    "throughput_same_allocator": "Throughput, the peer with our malloc thresholds",
     "step_costs": "Step costs",
     "step_costs_ray": "Step costs in Ray actors",
     "recovery": "Recovery and scale-up",
@@ -353,7 +354,8 @@ def generic(result: dict) -> list[str]:
 
 
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
-    "throughput": throughput, "step_costs": step_costs, "step_costs_ray": step_costs, "recovery": recovery,
+    "throughput": throughput, "throughput_same_allocator": throughput, "step_costs": step_costs,
+    "step_costs_ray": step_costs, "recovery": recovery,
     "redundancy": redundancy, "balance": balance,
     "memory": memory, "checkpoint": checkpoint, "communication": communication, "slow_links": slow_links}
 

@@ -19,14 +19,20 @@ repository root (about 12 minutes on 2 cores)::
 
     python -m benchmarks.throughput --rounds 3                        # digits, chargpt and gpt
     python -m benchmarks.throughput --workloads gpt digits --rounds 6
+    python -m benchmarks.throughput --rounds 3 --peer-allocator ours  # the peer keeps freed memory too
 
-Writes benchmarks/results/throughput.json and throughput.png. The peer is benchmarks/_torchrun_ddp.py.
+Our workers fix glibc's malloc thresholds (actors/allocator.py); torchrun's ranks run with glibc's
+defaults, as a torchrun user gets them, unless ``--peer-allocator ours`` gives them the same thresholds.
+
+Writes benchmarks/results/throughput.json and throughput.png (throughput_same_allocator.* with
+``--peer-allocator ours``). The peer is benchmarks/_torchrun_ddp.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -38,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,6 +52,7 @@ from pathlib import Path
 import ray
 import torch
 
+from actors.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 from actors.run_status import RunResult
 from benchmarks._cpu_meter import CpuMeter, Measurement, descendants
 from cluster.connect import ray_session
@@ -63,6 +70,9 @@ DEFAULT_STEPS = {"digits": 4000, "chargpt": 300, "gpt": 300}
 """~10 s of steady state at ~2.5, ~40 and ~50 ms per torchrun step on one core per rank: shorter windows
 leave a run's figure to whatever the shared machine did in those few seconds."""
 GOAL_RATIO = 0.98
+PEER_ALLOCATORS = {"glibc": {}, "ours": {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
+                                         "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}}
+"""The peer ranks' extra environment per --peer-allocator: glibc's defaults, or actors/allocator.py's thresholds."""
 PEER_EXIT_GRACE_S = 30.0
 GPT_CORPUS_FILES = 110
 """The first 110 files of workloads.tokens.stdlib_corpus_files(): ~2 MB, ~1.8 M train tokens, tokenized in ~1 s."""
@@ -146,15 +156,16 @@ def measure_ours(job: JobConfig, run_dir: Path) -> OursRun:
 
 
 def run_torchrun(sections: dict, run_dir: Path, num_workers: int = NUM_WORKERS,
-                 peer_options: Sequence[str] = ()) -> Measurement:
-    """The peer on ``num_workers`` ranks; ``peer_options``: more of benchmarks/_torchrun_ddp.py's options."""
+                 peer_options: Sequence[str] = (), peer_env: Mapping[str, str] | None = None) -> Measurement:
+    """The peer on ``num_workers`` ranks; ``peer_options``: more of benchmarks/_torchrun_ddp.py's options;
+    ``peer_env``: more environment for its ranks."""
     out, job_file = run_dir / "peer.json", run_dir / "job.json"
     job_file.write_text(json.dumps(sections))
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
                str(num_workers), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                str(PEER_SCRIPT), "--job", str(job_file), "--out", str(out), *peer_options]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
-                                                       if p)}
+    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, **(peer_env or {}), "PYTHONPATH": python_path}
     cpu = CpuMeter(rank_marker=PEER_SCRIPT.name)
     wall_s = _run_peer(command, env, out)
     report = json.loads(out.read_text())
@@ -200,11 +211,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, scratch: Path) -> dict:
+def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, scratch: Path,
+              peer_env: Mapping[str, str]) -> dict:
     sections = job_sections(workload, steps, global_batch_size, scratch)
+    run_peer = functools.partial(run_torchrun, peer_env=peer_env)
     ours: list[Measurement] = []
     peer: list[Measurement] = []
-    for side, run in (("ours", run_ours), ("torchrun", run_torchrun)):  # warm-up: not measured
+    for side, run in (("ours", run_ours), ("torchrun", run_peer)):  # warm-up: not measured
         run_dir = scratch / f"{workload}-{side}-warmup"
         run_dir.mkdir(parents=True)
         run(sections, run_dir)
@@ -212,7 +225,7 @@ def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, sc
     for round_index in range(rounds):
         ours_dir, peer_dir = scratch / f"{workload}-ours-{round_index}", scratch / f"{workload}-peer-{round_index}"
         peer_dir.mkdir(parents=True)
-        sides = [("ours", run_ours, ours_dir), ("torchrun", run_torchrun, peer_dir)]
+        sides = [("ours", run_ours, ours_dir), ("torchrun", run_peer, peer_dir)]
         for side, run, run_dir in sides if round_index % 2 == 0 else sides[::-1]:  # flip order against drift
             measurement = run(sections, run_dir)
             (ours if side == "ours" else peer).append(measurement)
@@ -288,6 +301,10 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"steps per run (default per workload: {DEFAULT_STEPS})")
     parser.add_argument("--rounds", type=int, default=6, help="alternating ours/torchrun rounds (after a warm-up)")
     parser.add_argument("--global-batch-size", type=int, default=64)
+    parser.add_argument("--peer-allocator", choices=PEER_ALLOCATORS, default="glibc",
+                        help="the torchrun ranks' malloc thresholds: glibc's defaults, as a torchrun user gets them "
+                             "(writes throughput.json), or ours, as actors/allocator.py sets them in our workers "
+                             "(writes throughput_same_allocator.json)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or (args.steps is not None and args.steps < 5) or args.global_batch_size < NUM_WORKERS:
         parser.error("need --rounds >= 1, --steps >= 5 and --global-batch-size >= 2")
@@ -298,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         for workload in dict.fromkeys(args.workloads):
             load_before = os.getloadavg()
             steps = args.steps or DEFAULT_STEPS[workload]
-            results.append(benchmark(workload, steps, args.global_batch_size, args.rounds, Path(scratch)))
+            results.append(benchmark(workload, steps, args.global_batch_size, args.rounds, Path(scratch),
+                                     PEER_ALLOCATORS[args.peer_allocator]))
             results[-1]["load_average_1_5_15_min"] = {"before": [round(v, 2) for v in load_before],
                                                       "after": [round(v, 2) for v in os.getloadavg()]}
 
@@ -306,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     payload = {
         "benchmark": "steady-state samples/s, Raylastic 2-worker DDP vs torchrun --nproc-per-node 2 plain DDP",
         "machine": machine_info(), "goal_ratio": GOAL_RATIO, "results": results,
+        "peer_allocator": args.peer_allocator,
         "method": {
             "warmup_fraction": WARMUP_FRACTION,
             "ours": "cluster.job.train, 2 workers x 1 CPU (1 torch thread), checkpoint only at the end; times "
@@ -323,8 +342,9 @@ def main(argv: list[str] | None = None) -> None:
                       "round; ratio: median ours / median torchrun; paired: the median over rounds of ours / "
                       "torchrun in the same round (less sensitive to a machine whose speed drifts between rounds)"},
     }
-    (RESULTS / "throughput.json").write_text(json.dumps(payload, indent=1) + "\n")
-    plot(results, RESULTS / "throughput.png")
+    stem = "throughput" if args.peer_allocator == "glibc" else "throughput_same_allocator"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    plot(results, RESULTS / f"{stem}.png")
 
     print(f"\n{'workload':9s} {'steps':>5s} {'B':>4s} {'ours samples/s':>15s} {'torchrun':>10s} {'ratio':>7s} "
           f"{'paired':>7s}")

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 import torch
 
+from actors.allocator import keep_freed_memory
 from actors.async_ps.leases import Lease, StepReport
 from actors.batches import fetch_batch, loader_inputs, to_device
 from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, micro_batches
@@ -59,6 +60,7 @@ class AsyncWorkerSpec:
 
 class AsyncWorker:
     def __init__(self, spec: AsyncWorkerSpec, controller: Any) -> None:
+        keep_freed_memory()
         torch.set_num_threads(spec.torch_threads)
         self.spec, self.controller = spec, controller
         self.device = choose_device(spec.use_gpu)
