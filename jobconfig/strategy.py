@@ -77,6 +77,10 @@ class StrategyConfig:
     workers - 1 updates stale, so the default refuses only what a stalled or far slower worker sends."""
     server_cpus: float = 1.0
     """async_ps: the CPUs each parameter server reserves (fractional on a shared machine)."""
+    predict_weights: bool = True
+    """async_ps: servers serve the parameters extrapolated along their last update by the staleness recent
+    gradients had (actors/async_ps/prediction.py), so that a gradient is computed about where it is applied;
+    false serves the parameters as they are."""
 
     def __post_init__(self) -> None:
         require(self.name in STRATEGIES, "strategy.name", one_of(STRATEGIES), self.name)
@@ -115,6 +119,8 @@ class StrategyConfig:
                 self.max_staleness)
         require(is_number(self.server_cpus) and self.server_cpus > 0, "strategy.server_cpus", "a positive number",
                 self.server_cpus)
+        require(isinstance(self.predict_weights, bool), "strategy.predict_weights", "true or false",
+                self.predict_weights)
         require(is_positive_int(self.replicas), "strategy.replicas", "a positive integer", self.replicas)
         if self.replicas > 1 and self.name not in ("zero1", "zero2", "zero3"):
             raise ValueError(f"strategy.replicas > 1 needs strategy.name zero1, zero2 or zero3 (ddp's state is "

@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from actors.async_ps.checkpoints import newest_complete
+from actors.async_ps.prediction import STALENESS_AVERAGING, WeightPredictor
 from actors.async_ps.server import ParameterServer, ServerSpec, StalenessViolation
 from actors.async_ps.shards import assign_parameters
 from actors.async_ps.tickets import TicketBook
 from actors.data_order import GlobalSampleOrder
+from actors.recipe import learning_rate, optimizer_factory, set_learning_rate
 from cluster.job import train
 from jobconfig import OptimConfig, TrainingConfig, WorkloadConfig, load_job_config
-from tests.helpers import job
+from tests.helpers import assert_states_close, job, load_model
 from workloads import load_workload
 
 DIGITS_TRAIN_SAMPLES = 1437
@@ -65,8 +67,8 @@ def test_parameters_are_spread_over_servers_by_size():
 # -- a server in this process -----------------------------------------------------------------------------------
 def server_spec(tmp_path, num_servers=1, max_staleness=1, every_steps=0):
     return ServerSpec(workload=WorkloadConfig(), optim=OptimConfig(), training=TrainingConfig(steps=10),
-                      max_staleness=max_staleness, num_servers=num_servers, checkpoint_root=str(tmp_path),
-                      every_steps=every_steps, config_hash="h")
+                      max_staleness=max_staleness, num_servers=num_servers, predict_weights=True,
+                      checkpoint_root=str(tmp_path), every_steps=every_steps, config_hash="h")
 
 
 def gradients_of(server: ParameterServer, value: float) -> dict[str, torch.Tensor]:
@@ -98,16 +100,40 @@ def test_a_checkpoint_of_two_servers_restores_into_one(tmp_path):
                for i in range(2)]
     for update in (1, 2):
         for server in servers:
-            server.push(0, update, update - 1, gradients_of(server, 0.1 * update), {}, ticket=update - 1)
+            server.push(0, update, 0, gradients_of(server, 0.1 * update), {}, ticket=update - 1)  # 2: 1 stale
     directory, version = newest_complete(str(tmp_path))
     assert version == 2
     saved = {**servers[0].state(), **servers[1].state()}
+    served = {**servers[0].pull()[2], **servers[1].pull()[2]}  # update 2 was 1 stale: predicted parameters
     single = ParameterServer(server_spec(tmp_path, num_servers=1), index=0, names=names)
     assert single.restore(1, directory) == 2 and single.tickets_applied() == [0, 1]
     restored = single.state()
     for name, tensor in saved.items():
         torch.testing.assert_close(restored[name], tensor, msg=name)
+        assert not torch.equal(served[name], tensor)
     assert single.optimizer.state  # AdamW's moments came back too
+    for name, tensor in single.pull()[2].items():  # and the prediction's state
+        torch.testing.assert_close(tensor, served[name], msg=name)
+
+
+def test_weight_prediction_extrapolates_the_last_update_by_the_expected_staleness():
+    w = torch.tensor([1.0, 2.0])
+    predictor = WeightPredictor({"w": w})
+    assert predictor.served(0)["w"] is w                       # every gradient fresh so far: w itself
+    predictor.before_update()
+    w -= torch.tensor([0.5, -1.0])                             # an update, 1 stale
+    predictor.observe(1)
+    s_hat = STALENESS_AVERAGING
+    expected = w + s_hat * torch.tensor([-0.5, 1.0])
+    torch.testing.assert_close(predictor.served(1)["w"], expected)
+    state = predictor.state_dict()
+    w -= 1.0                                                   # another update, not yet told to the predictor
+    assert torch.equal(predictor.served(1)["w"], expected)     # version 1's prediction is kept for version 1
+    again = WeightPredictor({"w": w.clone()})
+    again.load_state_dict(state)
+    assert again.expected_staleness == s_hat and torch.equal(again.previous["w"], torch.tensor([1.0, 2.0]))
+    predictor.before_update()                                  # a skipped update: nothing to extrapolate
+    assert torch.equal(predictor.served(2)["w"], w)
 
 
 # -- real runs ------------------------------------------------------------------------------------------------
@@ -134,6 +160,64 @@ def test_async_training_reaches_ddps_accuracy(tmp_path):
     assert {row["worker"] for row in rows} == {"raylastic:ps-run:worker0.0", "raylastic:ps-run:worker1.0"}, \
         [e for e in ps.events if e.type == "worker_failed"]
     assert all(row["bytes_sent"] > 0 and row["bytes_received"] > 0 and row["world_size"] == 2 for row in rows)
+
+
+def replay(config, rows: list[dict]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The updates of an async run's history, in one process: update k's gradient is taken on its ticket's
+    batch at the parameters the server served from version k - 1 - staleness (extrapolated by weight
+    prediction's formula, written out here), then applied to version k - 1. The final parameters and each
+    update's loss."""
+    workload = load_workload(config.workload.name, config.workload.options)
+    dataset = workload.train_dataset()
+    order = GlobalSampleOrder(len(dataset), config.training.global_batch_size, config.training.seed)
+    torch.manual_seed(config.training.seed)
+    model = workload.build_model()
+    optimizer = optimizer_factory(config.optim, None)(model)
+    params = dict(model.named_parameters())
+    versions = [{n: p.detach().clone() for n, p in params.items()}]
+    s_hats, losses = [0.0], []
+    for row in sorted(rows, key=lambda r: r["step"]):
+        read = row["step"] - 1 - row["staleness"]
+        s_hat, now = s_hats[read], versions[-1]
+        served = {n: torch.lerp(versions[max(read - 1, 0)][n], versions[read][n], 1 + s_hat) for n in now}
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(served[n] if s_hat else versions[read][n])
+        indices = order.rank_indices(row["ticket"], 0, 1).tolist()
+        inputs, targets = zip(*(dataset[i] for i in indices), strict=True)
+        optimizer.zero_grad(set_to_none=True)
+        loss = workload.training_step(model, (torch.stack(inputs), torch.as_tensor(targets)))
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(now[n])
+        set_learning_rate(optimizer, learning_rate(row["step"] - 1, config.optim, config.training.steps))
+        optimizer.step()
+        versions.append({n: p.detach().clone() for n, p in params.items()})
+        s_hats.append(s_hats[-1] + STALENESS_AVERAGING * (row["staleness"] - s_hats[-1]))
+    return {n: p.detach() for n, p in model.state_dict().items()}, losses
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_async_updates_are_the_replayed_stale_and_predicted_gradients(tmp_path):
+    """Every update of a 3-worker run (one throttled) is the gradient of its ticket's batch at the (predicted)
+    parameters its staleness says, applied in update order: a single-process replay of the history ends with the
+    run's model. With one worker every gradient is fresh, nothing is extrapolated, and the run is DDP's."""
+    settings = ("training.steps=40", "strategy.name=async_ps", "strategy.server_cpus=0.5", "optim.name=adamw")
+    config = job(*settings, "scaling.max_workers=3", "faults=[{action: throttle, rank: 2, step: 1, factor: 3.0}]",
+                 name="ps-replay")  # the slow worker's gradients are stale
+    result = train(config, run_dir=tmp_path / "three")
+    assert result.final_step == 40 and any(row["staleness"] > 0 for row in result.history)
+    replayed, losses = replay(config, result.history)
+    assert_states_close(load_model(tmp_path / "three"), replayed)
+    assert [row["loss"] for row in sorted(result.history, key=lambda r: r["step"])] == pytest.approx(losses, rel=1e-5)
+    single = train(job(*settings, "scaling.min_workers=1", "scaling.max_workers=1", name="ps-one"),
+                   run_dir=tmp_path / "one")
+    ddp = train(job("training.steps=40", "optim.name=adamw", "scaling.min_workers=1", "scaling.max_workers=1",
+                    name="ps-ddp-one"), run_dir=tmp_path / "ddp")
+    assert all(row["staleness"] == 0 for row in single.history) and single.final_step == ddp.final_step == 40
+    assert_states_close(load_model(tmp_path / "one"), load_model(tmp_path / "ddp"), rtol=0, atol=0)
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -206,3 +290,5 @@ def test_async_settings_are_checked():
         load_job_config(None, ["faults=[{action: kill_server, rank: 0, step: 5}]"])
     with pytest.raises(ValueError, match="scaling.spare_workers is not supported with strategy.name=async_ps"):
         load_job_config(None, ["strategy.name=async_ps", "scaling.spare_workers=1"])
+    with pytest.raises(ValueError, match="strategy.predict_weights.*true or false"):
+        load_job_config(None, ["strategy.name=async_ps", "strategy.predict_weights=sometimes"])

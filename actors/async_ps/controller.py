@@ -186,6 +186,7 @@ class AsyncController:
         job = self.job
         spec = ServerSpec(workload=job.workload, optim=job.optim, training=job.training,
                           max_staleness=job.strategy.max_staleness, num_servers=job.strategy.num_servers,
+                          predict_weights=job.strategy.predict_weights,
                           checkpoint_root=self.checkpoint_root, every_steps=job.checkpoint.every_steps,
                           config_hash=job.math_hash(), torch_threads=max(1, int(job.strategy.server_cpus)),
                           faults=tuple(f for f in self.server_faults if f.rank == index))

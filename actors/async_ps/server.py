@@ -3,7 +3,9 @@
 Every server builds the whole model from the run seed (so all start from the same parameters) and the
 job's optimizer over it, and owns the parameters ``shards.assign_parameters`` gives it: it serves and
 updates only those (the optimizer skips parameters without a gradient). Server 0 also keeps the
-model's buffers (BatchNorm statistics), the last pushed ones winning.
+model's buffers (BatchNorm statistics), the last pushed ones winning. With ``strategy.predict_weights`` a
+pull serves the parameters extrapolated by the staleness recent updates had (prediction.py); updates
+always apply to the parameters themselves.
 
 Admitted gradients carry their update number; a server applies them strictly in that order (holding
 back one that overtook an earlier one), so each server's version is the number of updates it applied
@@ -29,6 +31,7 @@ import fsspec
 import ray
 import torch
 
+from actors.async_ps.prediction import WeightPredictor
 from actors.recipe import learning_rate, optimizer_factory, set_learning_rate
 from jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from workloads import load_workload
@@ -43,6 +46,7 @@ class ServerSpec:
     training: TrainingConfig
     max_staleness: int
     num_servers: int
+    predict_weights: bool
     checkpoint_root: str
     every_steps: int
     config_hash: str
@@ -75,8 +79,10 @@ class ParameterServer:
 
     # -- what workers call ---------------------------------------------------------------------------------
     def pull(self) -> tuple[int, int, dict[str, torch.Tensor]]:
-        """(epoch, version, this server's parameters - and buffers, on server 0)."""
-        return self.epoch, self.version, self._served()
+        """(epoch, version, this server's parameters - predicted where ``predict_weights`` - and buffers, on
+        server 0)."""
+        params = self.predictor.served(self.version) if self.predictor else self.params
+        return self.epoch, self.version, self._served(params)
 
     def push(self, epoch: int, update: int, read_version: int, gradients: dict[str, torch.Tensor],
              buffers: dict[str, torch.Tensor], ticket: int) -> bool:
@@ -132,6 +138,7 @@ class ParameterServer:
         self.model = self.workload.build_model()
         self.optimizer = self.build_optimizer(self.model)
         self.params = {name: p for name, p in self.model.named_parameters() if name in set(self.names)}
+        self.predictor = WeightPredictor(self.params) if self.spec.predict_weights else None
         self.version = 0
         self.tickets: list[int] = []
         """The ticket of every update this server applied (-1: skipped), in update order."""
@@ -139,8 +146,9 @@ class ParameterServer:
         self.skipped: set[int] = set()
         self.skipped_count = 0
 
-    def _served(self) -> dict[str, torch.Tensor]:
-        served = dict(self.params)
+    def _served(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """This server's parameters (or ``params`` in their place), and the buffers on server 0."""
+        served = dict(self.params if params is None else params)
         if self.index == 0:
             served |= {f"buffer.{name}": b for name, b in self.model.named_buffers()}
         return served
@@ -151,6 +159,8 @@ class ParameterServer:
             if following in self.skipped:
                 self.skipped.discard(following)
                 self.skipped_count += 1
+                if self.predictor:
+                    self.predictor.before_update()  # no change to extrapolate
                 self._advance(-1)
             elif following in self.pending:
                 self._apply(following, *self.pending.pop(following))
@@ -166,6 +176,9 @@ class ParameterServer:
                                      f"{self.index}, {staleness} updates old (strategy.max_staleness="
                                      f"{self.spec.max_staleness})")
         self.max_applied_staleness = max(self.max_applied_staleness, staleness)
+        if self.predictor:
+            self.predictor.before_update()
+            self.predictor.observe(staleness)
         if gradients:  # none: an inf/NaN step skipped under training.on_nonfinite=skip
             for name, param in self.params.items():
                 param.grad = gradients[name].to(param.dtype)
@@ -190,7 +203,8 @@ class ParameterServer:
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         payload = {"config_hash": self.spec.config_hash, "version": self.version, "tickets": list(self.tickets),
                    "params": {n: p.detach() for n, p in self._served().items()},
-                   "optimizer": self.optimizer.state_dict()}
+                   "optimizer": self.optimizer.state_dict(),
+                   "prediction": self.predictor.state_dict() if self.predictor else {}}
         with fs.open(f"{path}.tmp", "wb") as handle:
             torch.save(payload, handle)
         fs.mv(f"{path}.tmp", path)  # a reader sees the whole file or none
@@ -201,6 +215,8 @@ class ParameterServer:
         merged_state: dict[int, Any] = {}
         groups = None
         entries: dict[str, torch.Tensor] = {}
+        previous: dict[str, torch.Tensor] = {}
+        expected_staleness = 0.0
         for name in sorted(fs.ls(path, detail=False)):
             if not name.endswith(".pt"):
                 continue
@@ -212,6 +228,9 @@ class ParameterServer:
             self.version, self.tickets = saved["version"], list(saved["tickets"])
             entries |= saved["params"]
             merged_state |= saved["optimizer"]["state"]
+            prediction = saved.get("prediction", {})
+            previous |= prediction.get("previous", {})
+            expected_staleness = prediction.get("expected_staleness", expected_staleness)
             groups = saved["optimizer"]["param_groups"]
         # The optimizer numbers parameters in its param groups' order, the same on every server.
         numbered = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -222,6 +241,8 @@ class ParameterServer:
                 tensor.copy_(entries[name])
         self.optimizer.load_state_dict({"state": {i: s for i, s in merged_state.items() if i in owned_ids},
                                         "param_groups": groups})
+        if self.predictor:
+            self.predictor.load_state_dict({"previous": previous, "expected_staleness": expected_staleness})
 
 
 ParameterServerActor = ray.remote(ParameterServer)
