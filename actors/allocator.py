@@ -2,10 +2,11 @@
 
 A training step allocates and frees the same activations and gradients every step. glibc's malloc
 adapts its thresholds to that (``M_MMAP_THRESHOLD`` rises to the largest block freed, up to 32 MiB, and
-``M_TRIM_THRESHOLD`` follows at twice that), but only in the main thread's arena: the step loop of a
-TrainWorker runs in a thread of its own inside a Ray worker, whose arena keeps returning the top of its
-heap to the kernel and faults it back in on the next step. On the gpt recipe that was 2,500-3,500 minor
-page faults and ~10% of a CPU rank's step time (docs/benchmarks.md, "Throughput").
+``M_TRIM_THRESHOLD`` follows at twice that), but not far enough for a training step: it keeps handing the
+top of the heap back to the kernel and faulting it in again on the next step. The gpt recipe's step took
+1,500-4,000 minor page faults and ~10% more time for it, and a secondary thread's arena, where a
+TrainWorker's step loop runs, fares worse than the main thread's (tests/memory_churn.py's churn: no faults
+a round in the main thread after a few rounds, thousands in another).
 
 Setting both thresholds at the ceilings glibc's own adaptation would reach, from the start, removes
 those faults in every thread: blocks under 32 MiB are reused from the heap, and up to 64 MiB of free

@@ -15,7 +15,10 @@ The decisions, pure functions of the figures:
   split changes only when the target's predicted step time is ``REBALANCE_GAIN`` shorter than the
   current split's (hysteresis: noise in the rates does not move shares). A rank's time has a fixed part
   as well as a part per sample, so one decision rarely lands on equal times; each next one moves closer
-  (shares proportional to the rates are a fixed point only where every rank's time is the same);
+  (shares proportional to the rates are a fixed point only where every rank's time is the same). The
+  prediction takes the better of two bounds: all of a rank's time per sample (the rates), and every
+  rank equally fast per sample (the ranks' mean time): with the first alone, a small share whose time is
+  mostly fixed cost looks slow per sample and would never grow back once its rank caught up;
 - stragglers: a rank held at its minimum share whose compute still takes longer than the others' (so
   slower than them by more than ``straggler_factor``) in ``STRAGGLER_DECISIONS`` decisions in a row;
 - ``carry_split``: a new generation's split from the last shares by worker: a newcomer starts at the
@@ -124,7 +127,9 @@ class Balancer:
             return BalanceDecision()
         smallest = min_share(self.split.global_batch_size, self.split.world_size, self.straggler_factor)
         target = BatchSplit(proportional_sizes(self.split.global_batch_size, self.rates, smallest))
-        gain = 1 - predicted_step_s(target, self.rates) / predicted_step_s(self.split, self.rates)
+        times = [size / rate for size, rate in zip(self.split.sizes, self.rates, strict=True)]
+        target_s = min(predicted_step_s(target, self.rates), statistics.fmean(times))
+        gain = 1 - target_s / max(times)
         changed = target != self.split and gain >= REBALANCE_GAIN
         if changed:
             self.split = target

@@ -20,7 +20,7 @@ def _churn_in_fresh_process(mode: str, **env: str) -> tuple[str, float]:
 
 
 def test_kept_memory_removes_the_training_threads_page_faults():
-    """glibc's defaults fault the churned ~40 MiB back in every round in a secondary thread (the step loop's
+    """glibc's defaults fault the churned ~50 MiB back in every round in a secondary thread (the step loop's
     place in a TrainWorker); with the thresholds fixed the heap is reused."""
     _, default_faults = _churn_in_fresh_process("default")
     applied, kept_faults = _churn_in_fresh_process("keep")
