@@ -42,8 +42,8 @@ def keep_freed_memory() -> bool:
     mallopt = _glibc_mallopt()
     if mallopt is None:
         return False
-    mmap_set = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    return bool(mmap_set) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return all(mallopt(parameter, value) == 1 for parameter, value in
+               ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)))
 
 
 def _glibc_mallopt():

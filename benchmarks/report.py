@@ -110,9 +110,6 @@ def throughput(result: dict) -> list[str]:
             f"measured; load average {r['load_average_1_5_15_min']['before'][0]} before, "
             f"{r['load_average_1_5_15_min']['after'][0]} after): {params_line(r['job'])}" for r in result["results"]]
     out += [""] + [f"- {key}: {text}" for key, text in result.get("method", {}).items() if isinstance(text, str)]
-    allocator = {"glibc": "glibc's defaults", "ours": "actors/allocator.py's, as our workers set them"}
-    if result.get("peer_allocator") in allocator:
-        out += [f"- the torchrun ranks' malloc thresholds: {allocator[result['peer_allocator']]}"]
     return out
 
 

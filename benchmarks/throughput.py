@@ -73,6 +73,7 @@ GOAL_RATIO = 0.98
 PEER_ALLOCATORS = {"glibc": {}, "ours": {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
                                          "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}}
 """The peer ranks' extra environment per --peer-allocator: glibc's defaults, or actors/allocator.py's thresholds."""
+PEER_ALLOCATOR_TEXT = {"glibc": "glibc's defaults", "ours": "actors/allocator.py's, as our workers set them"}
 PEER_EXIT_GRACE_S = 30.0
 GPT_CORPUS_FILES = 110
 """The first 110 files of workloads.tokens.stdlib_corpus_files(): ~2 MB, ~1.8 M train tokens, tokenized in ~1 s."""
@@ -338,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             "cpu_ms_per_step": "CPU of the rank processes, of the rest of the benchmark's process tree (support) "
                                "and of the machine's other processes, over the steady-state window, per step; "
                                "/proc sampled every 0.25 s and interpolated",
+            "torchrun_malloc_thresholds": PEER_ALLOCATOR_TEXT[args.peer_allocator],
             "rounds": "one unmeasured warm-up run of each side, then rounds alternating, order flipped every "
                       "round; ratio: median ours / median torchrun; paired: the median over rounds of ours / "
                       "torchrun in the same round (less sensitive to a machine whose speed drifts between rounds)"},

@@ -12,6 +12,7 @@ import ray
 from cluster.job import train
 from jobconfig.naming import controller_name, worker_name
 from tests.helpers import assert_states_close, job, load_model
+from tests.memory_churn import page_faults_per_round
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -109,8 +110,7 @@ def _niceness_of_threads(pid: int) -> dict[int, int]:
 
 def _page_faults_per_round_in(actor) -> float:
     """tests/memory_churn.py's churn, run in a new thread of the actor's process (as its step loop is)."""
-    return ray.get(actor.__ray_call__.remote(lambda self: __import__("tests.memory_churn").memory_churn
-                                             .page_faults_per_round()))
+    return ray.get(actor.__ray_call__.remote(lambda self: page_faults_per_round()))
 
 
 def test_training_workers_run_at_normal_priority_and_keep_freed_memory(tmp_path):
