@@ -116,7 +116,8 @@ class TrainWorker:
         priority_warning = run_at_normal_priority()  # before any thread of ours starts: they inherit it
         if priority_warning:
             logger.warning(priority_warning)
-        keep_freed_memory()
+        self.keeps_freed_memory = keep_freed_memory()
+        """False where the user set malloc thresholds of their own, or the C library is not glibc."""
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.device = choose_device(spec.use_gpu)
