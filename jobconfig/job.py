@@ -89,6 +89,8 @@ class JobConfig:
         if self.strategy.name == "diloco":  # other updates altogether: its checkpoints resume only diloco runs
             strategy = self.strategy
             relevant["diloco"] = [strategy.sync_every, float(strategy.outer_lr), float(strategy.outer_momentum)]
+            if strategy.sync_warmup_steps:  # appended only when set: older diloco checkpoints keep their hash
+                relevant["diloco"].append(strategy.sync_warmup_steps)
         if self.strategy.name == "async_ps":  # applied as they come: its checkpoints resume only async_ps runs
             relevant["async_ps"] = True
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -69,6 +69,9 @@ class StrategyConfig:
     local SGD, the change applied as it is)."""
     outer_momentum: float = 0.9
     """diloco: the outer SGD's Nesterov momentum, in [0, 1)."""
+    sync_warmup_steps: int = 0
+    """diloco: steps 1 to this one each end in a plain average of the workers' parameters (no outer optimizer):
+    post-local SGD's synchronous start, one all-reduce a step while the models would drift furthest apart."""
     num_servers: int = 1
     """async_ps: parameter-server actors; the parameters are spread over them by size."""
     max_staleness: int = 4
@@ -89,6 +92,8 @@ class StrategyConfig:
                 self.outer_lr)
         require(is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1, "strategy.outer_momentum",
                 "a number in [0, 1)", self.outer_momentum)
+        require(is_non_negative_int(self.sync_warmup_steps), "strategy.sync_warmup_steps",
+                "a non-negative integer", self.sync_warmup_steps)
         require(is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "strategy.bucket_cap_mb",
                 "a positive number of MiB", self.bucket_cap_mb)
         require(isinstance(self.offload, bool), "strategy.offload", "true or false", self.offload)

@@ -26,5 +26,6 @@ def build_strategy(config: StrategyConfig) -> Strategy:
                             replicas=config.replicas)
     if config.name == "diloco":
         return DiLoCoStrategy(sync_every=config.sync_every, outer_lr=config.outer_lr,
-                              outer_momentum=config.outer_momentum, compression=config.compression)
+                              outer_momentum=config.outer_momentum, compression=config.compression,
+                              sync_warmup_steps=config.sync_warmup_steps)
     raise ValueError(f"strategy.name={config.name!r} is not implemented")

@@ -5,8 +5,11 @@ own inner optimizer (the job's ``optim``): no gradient leaves the worker. Every 
 (and at the last step of the run) the workers average their parameter change since the last outer
 step - each weighted by the samples it trained on, so uneven shares count as they should - and an
 outer SGD with Nesterov momentum applies that average (the pseudo-gradient) to the global
-parameters, which every worker then starts from. With ``outer_lr`` 1 and ``outer_momentum`` 0 this is
-local SGD; with ``sync_every`` 1 as well, and a plain SGD inner optimizer, it is synchronous DDP.
+parameters, which every worker then starts from. ``sync_warmup_steps`` first averages the parameters after
+every step, with no outer optimizer (post-local SGD): while the loss falls fastest, models trained apart from
+one initialization drift furthest apart, and the outer momentum would carry those first large moves into
+later outer steps. With ``outer_lr`` 1 and ``outer_momentum`` 0 this is local SGD; with ``sync_every`` 1
+as well, and a plain SGD inner optimizer, it is synchronous DDP.
 ``compression`` fp16 or bf16 all-reduces the pseudo-gradient in 16 bits: half the bytes of float32.
 
 Each rank's loss is its own mean (``averages_gradients`` is False: the step loop weights the loss by
@@ -63,8 +66,10 @@ class OuterState:
         self.wire_dtype = wire_dtype
         self.samples = 0
 
-    def step(self, model: torch.nn.Module) -> CommTraffic:
+    def step(self, model: torch.nn.Module, *, average_only: bool = False) -> CommTraffic:
         """Collective: the outer step from every rank's change since the last one; returns the bytes sent.
+        ``average_only``: the global parameters become the ranks' (sample-weighted) mean, the outer
+        optimizer and its momentum untouched (the synchronized warm-up's steps).
 
         The sample count is all-reduced first, so each rank scales its change by its share of the samples
         *before* the sum: what travels is a convex combination of the changes, never larger than the largest,
@@ -93,7 +98,11 @@ class OuterState:
                 for g in self.params:
                     g.grad = mean[offset:offset + g.numel()].view_as(g)
                     offset += g.numel()
-                self.optimizer.step()
+                if average_only:
+                    for g in self.params:
+                        g.sub_(g.grad)
+                else:
+                    self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             for g, p in zip(self.params, params, strict=True):
                 p.copy_(g)
@@ -108,6 +117,9 @@ class DiLoCoStrategy:
     outer_momentum: float = 0.9
     compression: DiLoCoCompression = "none"
     """What the averaged parameter change travels as: float32 (none), float16 or bfloat16."""
+    sync_warmup_steps: int = 0
+    """Steps 1 to this one each end in a plain average of the parameters (outer optimizer and momentum
+    untouched): post-local SGD's synchronous start (Lin et al. 2020)."""
     name: str = "diloco"
     replicated: bool = True
     averages_gradients: bool = False
@@ -129,9 +141,10 @@ class DiLoCoStrategy:
     def after_step(self, state: TrainState, step: int, samples: int, last: bool) -> CommTraffic:
         """After the inner optimizer's step ``step`` on ``samples`` samples: the outer step when one is due."""
         state.outer.samples += samples
-        if step % self.sync_every and not last:
+        warming_up = step <= self.sync_warmup_steps
+        if step % self.sync_every and not last and not warming_up:
             return NO_TRAFFIC
-        return state.outer.step(state.model)
+        return state.outer.step(state.model, average_only=warming_up)
 
     def hand_over(self, state: TrainState, step: int, *, source_rank: int, device: torch.device,
                   scaler: torch.amp.GradScaler | None = None) -> int:
@@ -147,7 +160,7 @@ class DiLoCoStrategy:
             for param, start in zip(state.model.parameters(), own or outer.params, strict=True):
                 param.copy_(start)
         outer.samples = samples
-        outer.step(state.model)
+        outer.step(state.model, average_only=step <= self.sync_warmup_steps)
         return step
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:
