@@ -26,28 +26,28 @@ from workloads.tokens import prepare_corpus, stdlib_corpus_files
 LOCAL_SGD_EVERY_STEP = {"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
 
 
-def test_local_sgd_syncing_every_step_is_ddp():
-    """Inner SGD with momentum is linear in the gradients, so averaging the ranks' updates every step is
-    averaging their gradients: the same parameters as DDP on the whole batch (each rank's momentum buffer is
-    its own; their mean is DDP's)."""
-    reference = run_on_ranks(train_and_report, 1, "ddp", 4, None, "sgd")[0]
-    state = run_on_ranks(train_and_report, 3, "diloco", 4, None, "sgd", 1, None, LOCAL_SGD_EVERY_STEP)[0]
-    parameters = [key for key in reference if key.startswith("model.")]
-    assert parameters
-    for key in parameters:
-        torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6, msg=key)
-
-
-def test_a_warm_up_averages_every_step_without_the_outer_optimizer():
-    """Through ``sync_warmup_steps`` every step ends in a plain average, the outer Nesterov SGD (lr 0.7, momentum
-    0.9) left out: with an SGD inner optimizer, DDP's parameters. After it, outer steps every ``sync_every``."""
-    options = {"sync_every": 50, "outer_lr": 0.7, "outer_momentum": 0.9, "sync_warmup_steps": 4}
+def _assert_ddps_parameters_after_4_sgd_steps(options: dict) -> None:
+    """diloco with ``options`` at 3 ranks ends where DDP at 1 rank does."""
     reference = run_on_ranks(train_and_report, 1, "ddp", 4, None, "sgd")[0]
     state = run_on_ranks(train_and_report, 3, "diloco", 4, None, "sgd", 1, None, options)[0]
     parameters = [key for key in reference if key.startswith("model.")]
     assert parameters
     for key in parameters:
         torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_local_sgd_syncing_every_step_is_ddp():
+    """Inner SGD with momentum is linear in the gradients, so averaging the ranks' updates every step is
+    averaging their gradients: the same parameters as DDP on the whole batch (each rank's momentum buffer is
+    its own; their mean is DDP's)."""
+    _assert_ddps_parameters_after_4_sgd_steps(LOCAL_SGD_EVERY_STEP)
+
+
+def test_a_warm_up_averages_every_step_without_the_outer_optimizer():
+    """Through ``sync_warmup_steps`` every step ends in a plain average, the outer Nesterov SGD (lr 0.7, momentum
+    0.9) left out: with an SGD inner optimizer, DDP's parameters. After it, outer steps every ``sync_every``."""
+    _assert_ddps_parameters_after_4_sgd_steps({"sync_every": 50, "outer_lr": 0.7, "outer_momentum": 0.9,
+                                               "sync_warmup_steps": 4})
     sent = run_on_ranks(train_and_count_bytes, 2, "diloco", 7,
                         {"sync_every": 3, "outer_momentum": 0.9, "sync_warmup_steps": 2})[0]["bytes_sent"]
     assert [index + 1 for index, count in enumerate(sent) if count] == [1, 2, 3, 6]
