@@ -91,7 +91,7 @@ class WorkerSlots:
         return PlacementGroupSchedulingStrategy(placement_group=slot)
 
     def _ready(self) -> list[PlacementGroup]:
-        # A state query to the GCS; pg.ready() would schedule a task per call.
+        # A state query to the GCS; pg.ready() would leave a GCS wait pending for each call.
         return [pg for pg in self._pending if placement_group_table(pg)["state"] == "CREATED"]
 
 
