@@ -69,7 +69,7 @@ class OuterState:
     def step(self, model: torch.nn.Module, *, average_only: bool = False) -> CommTraffic:
         """Collective: the outer step from every rank's change since the last one; returns the bytes sent.
         ``average_only``: the global parameters become the ranks' (sample-weighted) mean, the outer
-        optimizer and its momentum untouched (the synchronized warm-up's steps).
+        optimizer and its momentum untouched (the synchronous start's steps).
 
         The sample count is all-reduced first, so each rank scales its change by its share of the samples
         *before* the sum: what travels is a convex combination of the changes, never larger than the largest,
