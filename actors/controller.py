@@ -67,7 +67,8 @@ from actors.share_book import ShareBook
 from actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
 from jobconfig import JobConfig
 from strategies import build_strategy
-from strategies.checkpoint import Checkpoint, Checkpointer, read_manifest
+from strategies.checkpoint import Checkpoint, Checkpointer
+from strategies.checkpoint_manifest import read_manifest
 from strategies.peer_restore import plan_peer_restore
 
 WAIT_SLICE_S = 1.0

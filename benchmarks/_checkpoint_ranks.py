@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from benchmarks._sharded_setup import GPT_50M, Setup, set_up
-from strategies.checkpoint import Checkpointer, load_into, read_manifest, write_manifest
+from strategies.checkpoint import Checkpointer, load_into
+from strategies.checkpoint_manifest import read_manifest, write_manifest
 
 GPT_10M = {"n_layer": 6, "n_head": 8, "n_embd": 384, "block_size": 64}
 PERIOD, ASYNC_BATCH = 8, 2

@@ -1,8 +1,8 @@
 """Sharded, resharding checkpoints: torch.distributed.checkpoint (DCP) plus a JSON manifest.
 
 Layout: ``<root>/step_00000120/`` holds DCP's files (one or more per rank, written in parallel,
-and DCP's ``.metadata``) and ``manifest.json``, written last by rank 0 once every rank's shard
-is on storage: temp file, fsync, rename. Each rank checksums the files it wrote itself, so the
+and DCP's ``.metadata``) and ``manifest.json`` (strategies/checkpoint_manifest.py), written last by rank 0
+once every rank's shard is on storage: temp file, fsync, rename. Each rank checksums the files it wrote itself, so the
 manifest lists every rank's files even where each node writes to a disk of its own. A directory
 without a valid manifest, or whose files do not match the manifest's sizes and SHA-256 checksums,
 is never loaded: the loader falls back to the previous complete checkpoint. A complete checkpoint is
@@ -24,52 +24,34 @@ Example (every rank calls, in the same order)::
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import pickle
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Literal
 
-import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from strategies.checkpoint_metadata import load_metadata, safe_reader
-
-MANIFEST_NAME = "manifest.json"
-METADATA_NAME = ".metadata"
-"""DCP's index of the checkpoint: which file holds which shard; written by rank 0."""
-FORMAT = "dcp-v1"
+from strategies.checkpoint_manifest import (
+    METADATA_NAME,
+    CheckpointManifest,
+    checksums,
+    filesystem,
+    read_manifest,
+    verify,
+    write_manifest,
+)
+from strategies.checkpoint_metadata import safe_reader
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointManifest:
-    step: int
-    """Optimizer steps committed in this state; training resumes at the next one."""
-    world_size: int
-    strategy: str
-    samples_consumed: int
-    """The data cursor: position in the global sample stream (step * global_batch_size)."""
-    config_hash: str
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Every file of the checkpoint: {"size": bytes, "sha256": hex}."""
-    versions: dict[str, str] = field(default_factory=dict)
-    format: str = FORMAT
-    created_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -158,7 +140,7 @@ class Checkpointer:
         """Rank 0: an empty directory to write into. An intact checkpoint of this job already there (a
         finished run run again) is kept as this save, never deleted to be written again."""
         try:
-            fs, path = _filesystem(directory)
+            fs, path = filesystem(directory)
             if fs.exists(path):
                 existing = read_manifest(directory)
                 if existing is not None and verify(directory, existing) is None:
@@ -178,7 +160,7 @@ class Checkpointer:
         local) and rank 0 writes the manifest of them all, last."""
         rank = dist.get_rank(group)
         try:
-            mine: dict[str, dict[str, Any]] | str = _checksums(directory, _files_written(written, rank))
+            mine: dict[str, dict[str, Any]] | str = checksums(directory, _files_written(written, rank))
         except Exception as error:  # noqa: BLE001 - sent to every rank instead
             mine = f"rank {rank}: {_cause(error)}"
         every: list[Any] = [None] * dist.get_world_size(group)
@@ -196,63 +178,9 @@ class Checkpointer:
         return directory
 
 
-def write_manifest(directory: str, manifest: CheckpointManifest,
-                   files: dict[str, dict[str, Any]] | None = None) -> None:
-    """Write ``directory``'s manifest atomically, last: ``files`` ({name: {"size", "sha256"}}), or, if None,
-    checksums of every file this process sees in ``directory``."""
-    fs, path = _filesystem(directory)
-    if files is None:
-        names = [name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)]
-        files = _checksums(directory, [n for n in names if n != MANIFEST_NAME and not n.endswith(".tmp")])
-    complete = CheckpointManifest(**{**asdict(manifest), "files": dict(sorted(files.items())),
-                                     "created_at": time.time()})
-    _write_atomically(fs, f"{path}/{MANIFEST_NAME}", json.dumps(asdict(complete), indent=1))
-
-
-def read_manifest(directory: str) -> CheckpointManifest | None:
-    fs, path = _filesystem(directory)
-    try:
-        with fs.open(f"{path}/{MANIFEST_NAME}", "r") as handle:
-            manifest = CheckpointManifest(**json.load(handle))
-    except (OSError, ValueError, TypeError):
-        return None
-    well_formed = isinstance(manifest.step, int) and isinstance(manifest.files, dict)
-    return manifest if well_formed else None
-
-
-def verify(directory: str, manifest: CheckpointManifest) -> str | None:
-    """Why ``directory`` must not be loaded (a missing, truncated or altered file, metadata that is not
-    DCP's plain own or names files the manifest does not list), or None if it is intact."""
-    try:
-        return _problem(directory, manifest)
-    except Exception as error:  # noqa: BLE001 - whatever is wrong with it, it is not loaded
-        return f"cannot be checked: {_cause(error)}"
-
-
-def _problem(directory: str, manifest: CheckpointManifest) -> str | None:
-    fs, path = _filesystem(directory)
-    if manifest.format != FORMAT:
-        return f"format {manifest.format!r}, expected {FORMAT!r}"
-    for name, expected in manifest.files.items():
-        file = f"{path}/{name}"
-        if not fs.exists(file):
-            return f"{name} is missing"
-        if fs.size(file) != expected["size"]:
-            return f"{name} has {fs.size(file)} bytes, the manifest says {expected['size']}"
-        if _sha256(fs, file) != expected["sha256"]:
-            return f"{name} does not match its checksum"
-    try:
-        with fs.open(f"{path}/{METADATA_NAME}", "rb") as handle:
-            metadata = load_metadata(handle)
-    except pickle.UnpicklingError as error:
-        return f"{METADATA_NAME} is refused: {error}"
-    unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - manifest.files.keys())
-    return f"{unlisted[0]} holds state but is not in the manifest" if unlisted else None
-
-
 def complete_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
     """Checkpoints under ``root`` with a manifest, oldest first (not yet verified)."""
-    fs, path = _filesystem(root)
+    fs, path = filesystem(root)
     if not fs.exists(path):
         return []
     found = []
@@ -300,15 +228,11 @@ def prune_checkpoints(root: str, num_to_keep: int, *, written_step: int) -> None
     the run that got further, say) is left alone: the checkpoint just written does not supersede it."""
     complete = [c for c in complete_checkpoints(root) if c.manifest.step <= written_step]
     keep = {c.path for c in complete[-num_to_keep:]}
-    fs, path = _filesystem(root)
+    fs, path = filesystem(root)
     for directory in fs.ls(path, detail=False):
         step = _step_of(directory)
         if step is not None and step < written_step and _same_scheme(root, directory) not in keep:
             fs.rm(directory, recursive=True)
-
-
-def _filesystem(url: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
-    return fsspec.core.url_to_fs(str(url))
 
 
 def _same_scheme(root: str, path: str) -> str:
@@ -325,38 +249,6 @@ def _is_url(path: str) -> bool:
 
 def _writer(directory: str) -> FileSystemWriter | FsspecWriter:
     return FsspecWriter(directory) if _is_url(directory) else FileSystemWriter(directory, sync_files=True)
-
-
-def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:
-    temporary = f"{path}.tmp"
-    if isinstance(fs, LocalFileSystem):
-        with open(temporary, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-        descriptor = os.open(os.path.dirname(path), os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        return
-    with fs.open(temporary, "w") as handle:
-        handle.write(text)
-    fs.mv(temporary, path)
-
-
-def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    digest = hashlib.sha256()
-    with fs.open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _checksums(directory: str, names: list[str]) -> dict[str, dict[str, Any]]:
-    fs, path = _filesystem(directory)
-    return {name: {"size": fs.size(f"{path}/{name}"), "sha256": _sha256(fs, f"{path}/{name}")} for name in names}
 
 
 def _files_written(written: Metadata, rank: int) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from strategies.checkpoint import read_manifest, verify
+from strategies.checkpoint_manifest import read_manifest, verify
 from strategies.checkpoint_metadata import safe_reader
 
 MODEL_PREFIX = "model."

@@ -25,7 +25,7 @@ from actors.step_loop import StepResult
 from actors.worker import JoinReport, WorkerStatus
 from actors.worker_group import MembersFailed
 from strategies import build_strategy
-from strategies.checkpoint import CheckpointManifest, write_manifest
+from strategies.checkpoint_manifest import CheckpointManifest, write_manifest
 from tests.helpers import job
 
 

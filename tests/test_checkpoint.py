@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from strategies.checkpoint import MANIFEST_NAME, complete_checkpoints, newest_loadable
+from strategies.checkpoint import complete_checkpoints, newest_loadable
+from strategies.checkpoint_manifest import MANIFEST_NAME
 from strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT
 from tests.distributed_harness import run_distributed

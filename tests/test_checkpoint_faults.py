@@ -21,17 +21,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from actors.run_status import RunStatus
-from strategies.checkpoint import (
-    MANIFEST_NAME,
-    Checkpointer,
-    CheckpointLoadError,
-    complete_checkpoints,
-    load_into,
-    newest_loadable,
-    read_manifest,
-    verify,
-    write_manifest,
-)
+from strategies.checkpoint import Checkpointer, CheckpointLoadError, complete_checkpoints, load_into, newest_loadable
+from strategies.checkpoint_manifest import MANIFEST_NAME, read_manifest, verify, write_manifest
 from strategies.checkpoint_metadata import safe_reader
 from strategies.export import load_full_model_state
 from tests.distributed_harness import run_distributed
