@@ -385,8 +385,8 @@ class Controller:
             self.log.event("spares_taken", self.step, workers=taken, reason=reason)
 
     def _admit_joiners(self) -> None:
-        for name in self.group.admit_ready_joiners():
-            self.log.event("worker_joined", self.step, worker=name)
+        for name, warm in self.group.admit_ready_joiners().items():
+            self.log.event("worker_joined", self.step, worker=name, warm_process=warm)
 
     def _resume_checkpoint(self) -> Checkpoint | None:
         found = self.checkpoints.newest(at_step=self.step) if self.job.checkpoint.resume == "auto" else None

@@ -7,6 +7,7 @@ let them in, so a scale-up costs the group one re-formation, not the start-up ti
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.placement import ReservedSlots, WorkerSlots
+from actors.warm_start import WarmProcesses
 from actors.worker import TrainWorkerActor, WorkerSpec
 from jobconfig.naming import worker_name
 
@@ -25,15 +27,20 @@ class Member:
     name: str
     node_id: str = ""
     ready: Any = field(default=None, repr=False)
-    """ObjectRef that resolves once the actor is constructed."""
+    """ObjectRef that resolves once the actor is constructed (to its ProcessStart)."""
+    requested_at: float = 0.0
+    constructed: bool = False
+    warm: bool = False
+    """Whether it was constructed in a process started ahead, with the training modules imported."""
 
 
 class Membership:
     def __init__(self, *, run_name: str, spec: WorkerSpec, slots: WorkerSlots | ReservedSlots, cpus: float, gpus: int,
-                 resources: dict[str, float]) -> None:
+                 resources: dict[str, float], warm: WarmProcesses | None = None) -> None:
         self.run_name = run_name
         self.spec = spec
         self.slots = slots
+        self.warm = warm
         self._actor_options = dict(num_cpus=cpus, num_gpus=gpus, resources=resources or None, max_restarts=0,
                                    max_concurrency=2)
         self.members: list[Member] = []
@@ -60,8 +67,16 @@ class Membership:
             actor = TrainWorkerActor.options(
                 name=name, scheduling_strategy=self.slots.scheduling(slot),
                 **self._actor_options).remote(self.spec)
-            started.append(Member(actor=actor, slot=slot, name=name, ready=actor.pid.remote()))
+            started.append(Member(actor=actor, slot=slot, name=name, ready=actor.process_start.remote(),
+                                  requested_at=time.time()))
         return started
+
+    def top_up(self, constructed: list[Member]) -> None:
+        """Workers were constructed: start a process ahead on each of their nodes, for the next worker there.
+        Not at spawn: a process started then may serve the spawn itself, and the one Ray started for it,
+        which Ray keeps idle only while the node has fewer processes than CPUs, be left instead."""
+        if self.warm is not None and constructed:
+            self.warm.top_up({self.slots.node_of(member.slot) for member in constructed})
 
     def add_joiners(self, count: int, *, timeout_s: float = 0.0) -> int:
         """Start up to ``count`` new workers on slots that are ready (waiting up to ``timeout_s`` for
@@ -100,11 +115,14 @@ class Membership:
         constructed = []
         for member in [m for m in starting if m.ready in ready]:
             try:
-                ray.get(member.ready)
+                member.warm = ray.get(member.ready).warm(member.requested_at)
                 constructed.append(member)
             except RayActorError:
                 starting.remove(member)
                 self.remove(member, replace=True)
+        self.top_up([m for m in constructed if not m.constructed])
+        for member in constructed:
+            member.constructed = True
         return constructed
 
     def wait_for_joiners(self, timeout_s: float) -> list[Member]:

@@ -90,6 +90,10 @@ class WorkerSlots:
         """How an actor is placed in ``slot``."""
         return PlacementGroupSchedulingStrategy(placement_group=slot)
 
+    def node_of(self, slot: PlacementGroup) -> str:
+        """The node a ready slot is on."""
+        return placement_group_table(slot)["bundles_to_node_id"][0]
+
     def _ready(self) -> list[PlacementGroup]:
         # A state query to the GCS; pg.ready() would leave a GCS wait pending for each call.
         return [pg for pg in self._pending if placement_group_table(pg)["state"] == "CREATED"]
@@ -133,3 +137,6 @@ class ReservedSlots:
     def scheduling(self, slot: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=slot,
                                                 placement_group_capture_child_tasks=False)
+
+    def node_of(self, slot: int) -> str:
+        return placement_group_table(self.group)["bundles_to_node_id"][slot]

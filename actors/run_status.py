@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 EventType = Literal[
     "worker_failed",          # died, hung, or raised (``traceback``); ``reason``
-    "worker_joined",          # a joiner came in at a step boundary
+    "worker_joined",          # a joiner came in at a step boundary; ``warm_process``: built in a process started ahead
     "worker_left",            # a drained worker left at a step boundary
     "spares_taken",           # idle spares come in at the next boundary; ``workers``, ``reason``
     "node_draining",          # Ray drains a node of the run (a preemption notice); ``deadline_s``, ``workers``

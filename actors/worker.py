@@ -43,6 +43,7 @@ from actors.priority import run_at_normal_priority
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
 from actors.training_loop import BalanceSettings, TrainingLoop, TrainingThreadHung
+from actors.warm_start import ProcessStart
 from jobconfig import (
     DataConfig,
     EvalConfig,
@@ -161,6 +162,9 @@ class TrainWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def process_start(self) -> ProcessStart:
+        return ProcessStart.of_this_process()
 
     def join(self, assignment: GroupAssignment) -> JoinReport:
         """Leave the old group and join generation ``assignment.generation``. A replicated strategy

@@ -28,6 +28,7 @@ from actors.group_status import GroupStatus, LostWorker
 from actors.membership import Member, Membership
 from actors.placement import ReservedBundles, ReservedSlots, SlotShape, WorkerSlots, draining_nodes
 from actors.poller import GenerationPoller, death_reason
+from actors.warm_start import WarmProcesses
 from actors.worker import JoinReport, TrainingThreadHung, WorkerSpec
 from jobconfig import FaultConfig, JobConfig
 from strategies.checkpoint import Checkpointer
@@ -89,7 +90,7 @@ class WorkerGroup:
         slots = (ReservedSlots(reserved.placement_group, list(reserved.bundle_indices), shape) if reserved
                  else WorkerSlots(shape, job.name))
         membership = Membership(run_name=job.name, spec=spec, slots=slots, cpus=shape.cpus, gpus=shape.gpus,
-                                resources=shape.custom)
+                                resources=shape.custom, warm=WarmProcesses() if scaling.warm_processes else None)
         return cls(membership, collective_timeout_s=job.failure.collective_timeout_s,
                    step_timeout_s=job.failure.step_timeout_s)
 
@@ -121,10 +122,11 @@ class WorkerGroup:
         self.membership.admit(members)
         self.membership.spares += self.membership.spawn(spare_slots)  # they build while the members do
         ray.wait([m.ready for m in members], num_returns=len(members), timeout=timeout_s)
-        lost = []
+        lost, constructed = [], []
         for member in members:
             try:
                 ray.get(member.ready, timeout=0)
+                constructed.append(member)
                 continue
             except ray.exceptions.RayActorError as error:
                 if error.actor_init_failed:
@@ -133,6 +135,7 @@ class WorkerGroup:
             except ray.exceptions.GetTimeoutError:
                 lost.append(LostWorker(member.name, f"not started within scaling.placement_timeout_s={timeout_s}s"))
             self.membership.drop(member)
+        self.membership.top_up(constructed)
         return lost
 
     def capacity_note(self) -> str:
@@ -162,10 +165,11 @@ class WorkerGroup:
     def wait_for_joiners(self, timeout_s: float) -> None:
         self.membership.wait_for_joiners(timeout_s)
 
-    def admit_ready_joiners(self) -> list[str]:
+    def admit_ready_joiners(self) -> dict[str, bool]:
+        """Constructed joiners become members: name -> whether each started in a warm process."""
         joiners = self.membership.ready_joiners()
         self.membership.admit(joiners)
-        return [m.name for m in joiners]
+        return {m.name: m.warm for m in joiners}
 
     def drain(self, *, rank: int | None = None, node_id: str | None = None, replace: bool = False) -> list[str]:
         """The member of ``rank`` (or every member on ``node_id``) leaves at the next step boundary; with

@@ -20,6 +20,7 @@ import cluster.job
 from actors.controller import RunFailed
 from actors.run_status import Event, RunStatus
 from benchmarks import _recovery_helpers as helpers
+from cluster.connect import job_runtime_env
 from jobconfig import JobConfig
 from jobconfig.naming import NAMESPACE, controller_name, worker_name
 
@@ -165,7 +166,7 @@ def run_drain(job: JobConfig, run_dir: Path, notice_at_step: int) -> dict:
         leaving = two_nodes.add_node(num_cpus=1)
         two_nodes.wait_for_nodes()
         ray.init(address=two_nodes.address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+                 runtime_env=job_runtime_env(str(REPO_ROOT)))
         try:
             notice = Follower(job.name, act=lambda: preemption_notice(two_nodes.address, leaving.node_id),
                               ready=lambda p: p.step >= notice_at_step and p.world_size == 2,

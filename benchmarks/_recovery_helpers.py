@@ -119,17 +119,17 @@ class Blocker:
 class StartupProbe:
     """What a new TrainWorker pays before it can train, phase by phase: time.time() marks taken in order.
 
-    It does what a TrainWorker's process does: imports torch and the worker's modules (Ray imports them to
-    load the actor's class), runs TrainWorker's constructor (workload and data, strategy) and its first join,
-    into a group of its own (world size 1): a gc collection, the rendezvous, the model and the optimizer (a
-    DDP too at world size 2). ``job_overrides`` are the job's ``--set`` overrides.
+    Its process is one Ray started for the job, so the job's setup hook (actors/warm_start.py) imported torch
+    and the worker's modules in it first: just before the probe was asked for (a cold start), or earlier (a
+    warm process). It then runs TrainWorker's constructor (workload and data, strategy) and its first join, into
+    a group of its own (world size 1): a gc collection, the rendezvous, the model and the optimizer (a DDP too
+    at world size 2). ``job_overrides`` are the job's ``--set`` overrides.
     """
 
     def __init__(self, job_overrides: list[str]) -> None:
-        marks = {"process_ready": time.time()}
-        import torch  # noqa: F401
+        from actors import warm_start
 
-        marks["import_torch"] = time.time()
+        marks = {"constructor": time.time()}
         import ray
 
         from actors.worker import TrainWorker, WorkerSpec
@@ -137,7 +137,6 @@ class StartupProbe:
         from strategies.checkpoint import Checkpointer
         from strategies.process_group import GroupAssignment, host_store, new_store_prefix
 
-        marks["import_worker_modules"] = time.time()
         job = load_job_config(None, job_overrides)
         checkpointer = Checkpointer(root=tempfile.mkdtemp(prefix="startup-probe-"), every_steps=0, num_to_keep=1,
                                     config_hash=job.math_hash(), global_batch_size=job.training.global_batch_size)
@@ -148,10 +147,12 @@ class StartupProbe:
         worker.join(GroupAssignment(generation=0, rank=0, world_size=1, store_host=ip, store_port=store.port,
                                     store_prefix=new_store_prefix(), timeout_s=30))
         marks["first_join"] = time.time()
+        imported = warm_start.imported
+        self.imports = None if imported is None else {"began": imported.began_at, "done": imported.done_at}
         self.marks, self._alive = marks, (worker, store)  # the group's store lives as long as the probe
 
-    def timings(self) -> dict[str, float]:
-        return self.marks
+    def timings(self) -> tuple[dict[str, float], dict[str, float] | None]:
+        return self.marks, self.imports
 
 
 def plot(rounds: list[dict], summary: dict, path: Path) -> None:
@@ -167,6 +168,7 @@ def plot(rounds: list[dict], summary: dict, path: Path) -> None:
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(19, 4.8))
     for key, label, color in [("ours_min1", "ours, min_workers=1", "tab:blue"),
                               ("ours_min2", "ours, min=max=2 (waits for a replacement)", "tab:green"),
+                              ("ours_min2_late", "ours, min=max=2, replacement in a warm process", "tab:olive"),
                               ("ours_spare", "ours, min=max=2 + 1 warm spare", "tab:purple"),
                               ("ray_train", "Ray Train TorchTrainer", "tab:red")]:
         if (run := median_round(key, "recovery_s")) is None:

@@ -17,9 +17,12 @@ Train's inside its train loop (benchmarks/_recovery_helpers.py). Definitions (al
   node through the GCS as a preemption notice (60 s deadline); from that call to the first step
   committed without the node (world size 1), and the steps lost.
 
-Ours runs the kill three ways: min_workers=1 (the survivor goes on alone), min=max=2 (the run waits for
-a replacement worker, which costs a new process's start-up) and min=max=2 with a warm spare
-(``scaling.spare_workers=1``; killed at a later step, once the spare is built). One local Ray instance
+Ours runs the kill four ways: min_workers=1 (the survivor goes on alone), min=max=2 (the run waits for
+a replacement worker; at K=25 the warm process started after the workers' construction is still
+importing), the same killed at a later step (the replacement is constructed in the warm process) and
+min=max=2 with a warm spare (``scaling.spare_workers=1``; killed at that later step, once the spare is
+built). Ours runs with the job's runtime environment as ``raylastic train`` sets it (the setup hook of
+actors/warm_start.py), Ray Train with a plain one. One local Ray instance
 per side per round (Ray Train's 2 CPUs; ours 3, the third held by a blocker except for the spare's
 runs); the side that goes first alternates; then the drain on its own cluster; medians over rounds.
 Run from the repository root (3 minutes a round on 2 quiet cores, 5 on busy ones)::
@@ -53,8 +56,10 @@ import torch
 
 from actors.controller import RunFailed
 from actors.run_status import Event
+from actors.warm_start import WarmProcesses
 from benchmarks import _recovery_changes as changes
 from benchmarks import _recovery_helpers as helpers
+from cluster.connect import job_runtime_env
 from jobconfig import load_job_config
 from jobconfig.naming import NAMESPACE, worker_name
 
@@ -63,8 +68,10 @@ RESULTS = REPO_ROOT / "benchmarks" / "results"
 NUM_WORKERS, GLOBAL_BATCH, HIDDEN, CHECKPOINT_EVERY, LR, SEED = 2, 64, 512, 10, 1e-3, 0
 GOALS = {"recovery_s_below": 1.5, "speedup_at_least": 5.0, "steps_redone_at_most": 1, "scale_up_s_below": 3.0,
          "spare_recovery_s_below": 1.0, "spare_scale_up_s_below": 1.0, "drain_steps_lost_at_most": 0}
-MEASURED = ("ours_min1", "ours_min2", "ours_spare", "ray_train", "scale_up", "scale_up_spare", "drain", "startup")
+MEASURED = ("ours_min1", "ours_min2", "ours_min2_late", "ours_spare", "ray_train", "scale_up", "scale_up_spare",
+            "drain", "startup", "startup_warm")
 TIMELINE_STEPS_BEFORE_KILL = 25  # the failure timelines keep steps from K-25 on: what the plot shows
+WARM_PROCESS_GRACE_S = 5.0  # a process started ahead imports torch and the worker's modules in ~2.5 s
 DRAIN_STEPS = 100_000  # a cap: the run is stopped a few seconds after the node left
 
 
@@ -118,7 +125,10 @@ def run_ours(name: str, scratch: Path, steps: int, kill_step: int, min_workers: 
         if taken[:1] != ["failure"] or any(e.type == "waiting_for_resources" for e in result.events):
             raise RuntimeError(f"the spare was not taken at once after the kill (spares_taken {taken}; built "
                                f"{spare_facts['spare_built_before_kill_s']} s before it): raise --spare-kill-step")
+    joined = [e.details["warm_process"] for e in result.events if e.type == "worker_joined"]
+    replacement = {"replacement_warm_process": joined[0]} if joined else {}
     return {"status": "finished", **summary, "steps_lost_event": formed.details["steps_lost"], **spare_facts,
+            **replacement,
             "breakdown": {k: round(v, 4) for k, v in breakdown.items()},
             "events": changes.membership_events(result.events)}
 
@@ -147,22 +157,40 @@ def run_drain(scratch: Path, steps: int, notice_at_step: int) -> dict:
     return changes.run_drain(load_job_config(None, job_overrides(name, steps, 1, None)), scratch / name, notice_at_step)
 
 
-def measure_startup() -> dict:
-    """On the idle instance: where a new worker's time goes until it can train (StartupProbe's marks), for
-    the job of the scale-up runs."""
-    started = time.time()
-    probe = ray.remote(num_cpus=1)(helpers.StartupProbe).remote(job_overrides("startup-probe", 1, 1, None))
-    marks = ray.get(probe.timings.remote())
-    phases = {"total_s": time.time() - started, "process_start_s": marks["process_ready"] - started}
+def measure_startup(*, warm: bool) -> dict:
+    """On the idle instance: where a new worker's time goes until it can train (StartupProbe's marks), for the
+    job of the scale-up runs. Cold: a runtime environment of its own, so Ray starts a process for it. Warm: a
+    process started ahead (WarmProcesses, as after a worker starts), given time to import."""
+    environment = {}
+    if warm:
+        WarmProcesses().top_up({ray.get_runtime_context().get_node_id()})
+        time.sleep(WARM_PROCESS_GRACE_S)
+    else:
+        environment = {"runtime_env": {"env_vars": {"RAYLASTIC_STARTUP_PROBE": f"cold-{time.time()}"}}}
+    requested = time.time()
+    probe = ray.remote(num_cpus=1)(helpers.StartupProbe).options(**environment).remote(
+        job_overrides("startup-probe", 1, 1, None))
+    marks, imports = ray.get(probe.timings.remote())
     ray.kill(probe)
+    phases = {"total_s": marks["first_join"] - requested}
+    if imports is not None and imports["began"] > requested:  # imported for this probe: a cold start
+        phases |= {"process_start_s": imports["began"] - requested,
+                   "setup_hook_imports_s": imports["done"] - imports["began"],
+                   "to_constructor_s": marks["constructor"] - imports["done"]}
+    else:
+        phases |= {"to_constructor_s": marks["constructor"] - requested}
     names = list(marks)
     phases |= {f"{later}_s": marks[later] - marks[earlier] for earlier, later in zip(names, names[1:], strict=False)}
-    return {k: round(v, 4) for k, v in phases.items()}
+    return {"warm_process": imports is not None and imports["done"] < requested} | {
+        k: round(v, 4) for k, v in phases.items()}
 
 
-def local_ray(num_cpus: int) -> None:
+def local_ray(num_cpus: int, *, ours: bool = True) -> None:
+    """A local instance; ours: the job's runtime environment as ``raylastic train`` sets it (the setup hook that
+    imports our modules), otherwise as a Ray Train user's job has it."""
+    runtime_env = job_runtime_env(str(REPO_ROOT)) if ours else {"env_vars": {"PYTHONPATH": str(REPO_ROOT)}}
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
-             logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+             logging_level=logging.WARNING, runtime_env=runtime_env)
 
 
 def guarded(measure: Any, *args: Any, **kwargs: Any) -> dict:
@@ -177,7 +205,7 @@ def run_round(index: int, scratch: Path, args: argparse.Namespace) -> dict:
     sides = ["ours", "ray_train"] if index % 2 == 0 else ["ray_train", "ours"]
     record: dict[str, Any] = {"round": index, "order": sides, "load_average_at_start": os.getloadavg()}
     for side in sides:
-        local_ray(NUM_WORKERS if side == "ray_train" else NUM_WORKERS + 1)
+        local_ray(NUM_WORKERS if side == "ray_train" else NUM_WORKERS + 1, ours=side == "ours")
         try:
             if side == "ray_train":
                 (scratch / f"rt{index}").mkdir()
@@ -200,11 +228,14 @@ def run_ours_side(index: int, scratch: Path, args: argparse.Namespace) -> dict[s
     for key, min_workers in [("ours_min1", 1), ("ours_min2", 2)]:
         record[key] = guarded(run_ours, f"{key.replace('_', '-')}-{index}", scratch, args.steps,
                               args.kill_step, min_workers)
+    spare_steps = args.spare_kill_step + args.steps - args.kill_step  # as many steps after the kill as the others
+    record["ours_min2_late"] = guarded(run_ours, f"ours-min2-late-{index}", scratch, spare_steps,
+                                       args.spare_kill_step, NUM_WORKERS)
     record["scale_up"] = guarded(run_scale_up, scratch / f"s{index}", args.scale_up_steps, args.release_at_step)
-    record["startup"] = guarded(measure_startup)
+    record["startup"] = guarded(measure_startup, warm=False)
+    record["startup_warm"] = guarded(measure_startup, warm=True)
     ray.kill(third_cpu)
     wait_for_free_cpus(NUM_WORKERS + 1)
-    spare_steps = args.spare_kill_step + args.steps - args.kill_step  # as many steps after the kill as the others
     record["ours_spare"] = guarded(run_ours, f"ours-spare-{index}", scratch, spare_steps, args.spare_kill_step,
                                    NUM_WORKERS, spare_workers=1)
     record["scale_up_spare"] = guarded(run_scale_up, scratch / f"ss{index}", args.scale_up_steps,
@@ -213,7 +244,7 @@ def run_ours_side(index: int, scratch: Path, args: argparse.Namespace) -> dict[s
 
 
 def headline(run: dict) -> Any:
-    for field in ("recovery_s", "scale_up_s", "notice_to_step_without_node_s", "status"):
+    for field in ("recovery_s", "scale_up_s", "notice_to_step_without_node_s", "total_s", "status"):
         if field in run:
             return run[field]
     return None
@@ -287,6 +318,9 @@ def describe(args: argparse.Namespace) -> dict[str, dict]:
         "recovery_s": "first step committed after the kill time minus the kill time",
         "back_at_step_k_s": "commit of step K (the step in flight at the kill) minus the kill time",
         "steps_redone": "committed steps lost (K-1 minus the step resumed from) + 1 (step K, in flight)",
+        "ours_min2_late": "the kill with min=max=2 at the spare run's K, so that the warm process started after "
+                          "the workers were constructed has imported by then (replacement_warm_process: what the "
+                          "worker_joined event said); at K=25 the replacement takes it while it still imports",
         "ours_spare": "the kill with min=max=2 and one warm spare (built and idle in a slot of its own, the third "
                       "CPU); K is later so that the spare is built by then (spare_built_before_kill_s: the driver "
                       "saw its constructor return that long before the kill); the run fails the measurement if "
@@ -305,20 +339,23 @@ def describe(args: argparse.Namespace) -> dict[str, dict]:
                                      "generation starting to form (incl. waiting for a replacement when "
                                      "min_workers needs one, or taking the spare); generation_formed_s: join + "
                                      "state hand-over; first_step_s: formed to the commit of step K",
-        "breakdown (scale-up)": "slot_and_scaling_tick_s: to the joiner's actor being created (slot placed + "
-                                "the Controller's 0.5 s scaling check); actor_construction_s: to its "
-                                "constructor returning; tick_and_step_boundary_s: to worker_joined; then "
-                                "generation_formed_s and first_step_s. With a spare: scaling_tick_s to "
-                                "spares_taken, step_boundary_s to worker_joined, then the same",
+        "breakdown (scale-up)": "slot_and_scaling_tick_s: to the joiner's actor being created (Ray placing the "
+                                "slot once the blocker's process is gone, seen at the Controller's next 0.1 s "
+                                "poll); actor_construction_s: to its constructor returning; "
+                                "tick_and_step_boundary_s: to worker_joined; then generation_formed_s and "
+                                "first_step_s. With a spare: scaling_tick_s to spares_taken, step_boundary_s to "
+                                "worker_joined, then the same",
         "breakdown (drain)": "noticed_s: the call to node_draining (the Controller's poll); step_boundary_s: to "
                              "drained (the worker left at the step boundary); generation_formed_s: to the next "
                              "generation_formed; first_step_s: to the first step at world size 1",
         "startup": "a new worker until it can train, on the idle instance, the scale-up runs' job "
-                   "(benchmarks/_recovery_helpers.py StartupProbe): process_start_s to the probe's constructor "
-                   "starting (Ray starts a process); import_torch_s; import_worker_modules_s (actors.worker and "
-                   "what it imports); construct_worker_s (TrainWorker's constructor: workload and data, strategy, "
-                   "torch._dynamo); first_join_s (its first join, into a group of its own: gc, rendezvous, model "
-                   "and optimizer)",
+                   "(benchmarks/_recovery_helpers.py StartupProbe), in a process Ray starts for it (a runtime "
+                   "environment of its own): process_start_s to the job's setup hook starting; "
+                   "setup_hook_imports_s (torch, torch._dynamo, actors.worker); to_constructor_s (Ray loading the "
+                   "probe's class); construct_worker_s (TrainWorker's constructor: workload and data, strategy); "
+                   "first_join_s (its first join, into a group of its own: gc, rendezvous, model and optimizer)",
+        "startup_warm": "the same in a process started ahead (actors/warm_start.py WarmProcesses, given "
+                        f"{WARM_PROCESS_GRACE_S:.0f} s to import): to_constructor_s from asking for the probe",
         "timeline": "[seconds since the kill (failures; steps from K-25), since resources appeared (scale-up) or "
                     "since the notice (drain), step(, world)]"}
     return {"job": job, "definitions": definitions}

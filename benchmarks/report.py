@@ -139,6 +139,11 @@ def recovery(result: dict) -> list[str]:
             ["ours, `min_workers` 2 (a replacement must start)", f"{ours2['recovery_s']:.2f}", ours2["steps_redone"],
              f"detected {ours2['detected_s']:.3f}, waiting for the replacement {ours2['recover_s']:.2f}, "
              f"generation formed {ours2['generation_formed_s']:.2f}"]]
+    if late := medians.get("ours_min2_late"):
+        rows.append(["ours, `min_workers` 2, killed at the spare run's step (the replacement in a warm process)",
+                     f"{late['recovery_s']:.2f}", late["steps_redone"],
+                     f"detected {late['detected_s']:.3f}, waiting for the replacement {late['recover_s']:.2f}, "
+                     f"generation formed {late['generation_formed_s']:.2f}"])
     if spare := medians.get("ours_spare"):
         rows.append(["ours, `min_workers` 2 + `spare_workers` 1 (the spare comes in)",
                      f"**{spare['recovery_s']:.2f}**", spare["steps_redone"],
@@ -155,9 +160,12 @@ def recovery(result: dict) -> list[str]:
            f" + step boundary {up['tick_and_step_boundary_s']:.3f} + generation formed {up['generation_formed_s']:.2f}"
            f" + first step {up['first_step_s']:.3f}."]
     out += recovery_spare_scale_up(result) + recovery_drain(result)
-    if startup := medians.get("startup", {}):
-        out += ["", "A worker's start-up, s: " + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f}"
-                                                        for k, v in startup.items()) + "."]
+    phase_order = ("process_start_s", "setup_hook_imports_s", "to_constructor_s", "construct_worker_s",
+                   "first_join_s", "total_s")
+    for key, what in (("startup", "in a process started for it"), ("startup_warm", "in a warm process")):
+        if phases := medians.get(key):
+            out += ["", f"A worker's start-up {what}, s: " + ", ".join(
+                f"{k.removesuffix('_s').replace('_', ' ')} {phases[k]:.2f}" for k in phase_order if k in phases) + "."]
     verdicts = {True: "met", False: "not met", None: "not measured"}
     out += ["", "Goals: " + ", ".join(f"{k} {v}: {verdicts[met.get(k)]}" for k, v in goals.items()) + ".",
             "", f"Job: {params_line(result['job'])}.", "",

@@ -26,7 +26,7 @@ from jobconfig import (
 
 __all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "FailureConfig", "JobConfig", "LinkConfig", "OptimConfig",
            "ScalingConfig", "StrategyConfig", "TrackingConfig", "TrainingConfig", "WorkloadConfig", "load_job_config",
-           "train"]
+           "job_runtime_env", "train"]
 
 
 def __getattr__(name: str) -> Any:
@@ -36,4 +36,8 @@ def __getattr__(name: str) -> Any:
         from cluster.job import train
 
         return train
+    if name == "job_runtime_env":
+        from cluster.connect import job_runtime_env
+
+        return job_runtime_env
     raise AttributeError(f"module 'cluster' has no attribute {name!r}")

@@ -21,7 +21,16 @@ from collections.abc import Iterator
 
 import ray
 
+from actors.warm_start import SETUP_HOOK
 from jobconfig.naming import NAMESPACE
+
+
+def job_runtime_env(*paths: str) -> dict:
+    """The runtime environment of a job this process starts: workers import user workloads
+    ("mypkg.model:Name") from ``paths`` (default: where the user ran the command), and every process
+    Ray starts for the job imports the training modules first (actors/warm_start.py)."""
+    pythonpath = os.pathsep.join(p for p in (*(paths or (os.getcwd(),)), os.environ.get("PYTHONPATH", "")) if p)
+    return {"env_vars": {"PYTHONPATH": pythonpath}, "worker_process_setup_hook": SETUP_HOOK}
 
 
 @contextlib.contextmanager
@@ -36,10 +45,7 @@ def ray_session(address: str | None = None, *, min_cpus: float = 0.0) -> Iterato
         yield
         return
     address = address or os.environ.get("RAY_ADDRESS")  # as ray.init does; a job's driver has it set
-    # Workers import user workloads ("mypkg.model:Name") from where the user ran the command.
-    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
-        p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}}
-    options = dict(namespace=NAMESPACE, runtime_env=runtime_env, log_to_driver=True,
+    options = dict(namespace=NAMESPACE, runtime_env=job_runtime_env(), log_to_driver=True,
                    logging_level=logging.WARNING, configure_logging=True)
     if address:
         _connect(address, options)

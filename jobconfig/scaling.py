@@ -28,6 +28,10 @@ class ScalingConfig:
     """Workers kept started and idle (workload, data and model built), each in a slot of its own: a failure or a
     scale-up takes one at the next step boundary instead of starting a process, and a new spare starts
     behind it."""
+    warm_processes: bool = True
+    """After workers start on a node, start one more process there for the run, kept idle (up to an hour) with
+    torch and the worker's modules imported: a replacement or a joiner placed there then skips ~2 s of its
+    start. Costs an idle process (~330 MB) per node."""
     balance: Literal["off", "auto"] = "auto"
     """auto: each rank's share of the global batch follows its measured speed (same gradient; see
     actors/balance.py), changed only when that predicts a step at least 10% shorter, so equal ranks keep
@@ -60,6 +64,8 @@ class ScalingConfig:
                                  f"{self.resources_per_worker!r}")
         require(is_non_negative_int(self.spare_workers), "scaling.spare_workers", "an integer >= 0",
                 self.spare_workers)
+        require(isinstance(self.warm_processes, bool), "scaling.warm_processes", "true or false",
+                self.warm_processes)
         if isinstance(self.balance, bool):  # YAML reads a bare off as false
             object.__setattr__(self, "balance", "auto" if self.balance else "off")
         require(self.balance in ("off", "auto"), "scaling.balance", one_of(("off", "auto")), self.balance)

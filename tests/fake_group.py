@@ -210,10 +210,10 @@ class FakeGroup:
     def wait_for_joiners(self, timeout_s: float) -> None:
         self.calls.append("wait_for_joiners")
 
-    def admit_ready_joiners(self) -> list[str]:
+    def admit_ready_joiners(self) -> dict[str, bool]:
         admitted, self.ready = self.ready, []
         self.members += admitted
-        return admitted
+        return dict.fromkeys(admitted, False)
 
     def remove_drained(self) -> dict[str, str]:
         leaving = {name: self.nodes.get(name, "") for name in self.members if name in self.draining}

@@ -208,12 +208,16 @@ def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
         wait_until_gone(name)
 
 
-def test_below_min_workers_the_run_waits_for_a_replacement(tmp_path, reference):
+def test_below_min_workers_the_run_waits_for_a_replacement_started_in_a_warm_process(tmp_path, reference):
+    """With scaling.warm_processes (the default), a process with the training modules imported waits on the
+    workers' node by the time of the kill, and the replacement is placed in it."""
     result, state = run_disturbed(tmp_path, "waits", "scaling.min_workers=3",
+                                  "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.4}",
                                   "faults=[{action: kill, rank: 0, step: 12}]")
     assert_same_as_reference(result, state, reference)
     types = event_types(result)
     assert types.index("waiting_for_resources") < types.index("worker_joined") < types.index("recovered")
+    assert [e.details["warm_process"] for e in result.events if e.type == "worker_joined"] == [True]
     assert {row["world_size"] for row in result.history} == {3}
 
 

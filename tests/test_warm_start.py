@@ -1,0 +1,76 @@
+"""Warm processes (actors/warm_start.py): the job's setup hook and processes started ahead, on a real local Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+import ray
+
+from actors.warm_start import ProcessStart, WarmProcesses
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def test_the_setup_hook_imports_the_training_modules_without_touching_cuda():
+    """Ray gives a process its GPUs only when an actor is placed on it, and CUDA reads them at its first use:
+    a process started ahead must not have used CUDA."""
+    script = """
+import sys, torch
+calls = []
+for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "set_device"):
+    original = getattr(torch.cuda, name)
+    setattr(torch.cuda, name, lambda *a, _name=name, _original=original, **k: calls.append(_name) or _original(*a, **k))
+from actors import warm_start
+assert warm_start.imported is None
+warm_start.import_training_modules()
+assert warm_start.imported is not None and warm_start.imported.began_at <= warm_start.imported.done_at
+assert {"torch._dynamo", "actors.worker"} <= set(sys.modules), "not imported"
+assert calls == [], calls
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@ray.remote(num_cpus=0)
+class ProcessReporter:
+    def start(self) -> ProcessStart:
+        return ProcessStart.of_this_process()
+
+
+def idle_processes(raylet: psutil.Process) -> set[int]:
+    return {p.pid for p in raylet.children() if p.cmdline()[:1] == ["ray::IDLE"]}
+
+
+@ray.remote(num_cpus=0)
+def place_an_actor(top_up: bool) -> tuple[ProcessStart, float, set[int]]:
+    """In a runtime environment of its own (so no other process can serve it): optionally start a process
+    ahead on this node, wait for Ray to report it idle, then place an actor there."""
+    raylet = psutil.Process().parent()
+    before = idle_processes(raylet)
+    started_ahead: set[int] = set()
+    if top_up:
+        WarmProcesses().top_up({ray.get_runtime_context().get_node_id()})
+        deadline = time.monotonic() + 60
+        while not (started_ahead := idle_processes(raylet) - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    requested_at = time.time()
+    return ray.get(ProcessReporter.remote().start.remote(), timeout=120), requested_at, started_ahead
+
+
+@pytest.mark.parametrize("top_up", [True, False])
+def test_an_actor_placed_after_a_top_up_takes_the_process_started_ahead(top_up):
+    own_environment = {"env_vars": {"RAYLASTIC_TEST_ENVIRONMENT": uuid.uuid4().hex}}
+    start, requested_at, started_ahead = ray.get(
+        place_an_actor.options(runtime_env=own_environment).remote(top_up), timeout=180)
+    assert start.imported is not None  # the job's setup hook ran in the actor's process
+    if top_up:
+        assert started_ahead == {start.pid}
+        assert start.imported.began_at < requested_at
+    else:
+        assert start.imported.began_at > requested_at
