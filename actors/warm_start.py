@@ -28,7 +28,6 @@ KEEP_ALIVE_S = 3600
 RPC_TIMEOUT_S = 5.0
 
 
-
 @dataclass(frozen=True)
 class ImportTimes:
     began_at: float

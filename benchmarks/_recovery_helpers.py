@@ -1,7 +1,7 @@
 """The parts of benchmarks/recovery.py that run inside Ray workers - Ray Train's train loop, a start-up
 probe, our Controller with the recovery fix it suggests - and its plot. Imported as
 ``benchmarks._recovery_helpers`` so Ray workers (PYTHONPATH = the repository root) import it by name;
-heavy imports stay inside functions, so the probe's process starts without torch and times importing it.
+heavy imports stay inside functions.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from actors import warm_start
 
 RAY_TRAIN_FACTS = {  # paths under the installed ray package (2.60), for what the JSON reports about Ray Train
     "elastic_resize_monitor_interval_s": "ray/train/v2/api/config.py:102 ScalingConfig.elastic_resize_monitor_"
@@ -127,8 +129,6 @@ class StartupProbe:
     """
 
     def __init__(self, job_overrides: list[str]) -> None:
-        from actors import warm_start
-
         marks = {"constructor": time.time()}
         import ray
 
@@ -147,12 +147,11 @@ class StartupProbe:
         worker.join(GroupAssignment(generation=0, rank=0, world_size=1, store_host=ip, store_port=store.port,
                                     store_prefix=new_store_prefix(), timeout_s=30))
         marks["first_join"] = time.time()
-        imported = warm_start.imported
-        self.imports = None if imported is None else {"began": imported.began_at, "done": imported.done_at}
-        self.marks, self._alive = marks, (worker, store)  # the group's store lives as long as the probe
+        self.marks, self.imported = marks, warm_start.imported
+        self._alive = (worker, store)  # the group's store lives as long as the probe
 
-    def timings(self) -> tuple[dict[str, float], dict[str, float] | None]:
-        return self.marks, self.imports
+    def timings(self) -> tuple[dict[str, float], warm_start.ImportTimes | None]:
+        return self.marks, self.imported
 
 
 def plot(rounds: list[dict], summary: dict, path: Path) -> None:

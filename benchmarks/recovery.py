@@ -170,18 +170,18 @@ def measure_startup(*, warm: bool) -> dict:
     requested = time.time()
     probe = ray.remote(num_cpus=1)(helpers.StartupProbe).options(**environment).remote(
         job_overrides("startup-probe", 1, 1, None))
-    marks, imports = ray.get(probe.timings.remote())
+    marks, imported = ray.get(probe.timings.remote())
     ray.kill(probe)
     phases = {"total_s": marks["first_join"] - requested}
-    if imports is not None and imports["began"] > requested:  # imported for this probe: a cold start
-        phases |= {"process_start_s": imports["began"] - requested,
-                   "setup_hook_imports_s": imports["done"] - imports["began"],
-                   "to_constructor_s": marks["constructor"] - imports["done"]}
+    if imported is not None and imported.began_at > requested:  # imported for this probe: a cold start
+        phases |= {"process_start_s": imported.began_at - requested,
+                   "setup_hook_imports_s": imported.done_at - imported.began_at,
+                   "to_constructor_s": marks["constructor"] - imported.done_at}
     else:
         phases |= {"to_constructor_s": marks["constructor"] - requested}
     names = list(marks)
     phases |= {f"{later}_s": marks[later] - marks[earlier] for earlier, later in zip(names, names[1:], strict=False)}
-    return {"warm_process": imports is not None and imports["done"] < requested} | {
+    return {"warm_process": imported is not None and imported.done_at < requested} | {
         k: round(v, 4) for k, v in phases.items()}
 
 
