@@ -4,12 +4,14 @@ bound, the sample ledger."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from actors.async_ps.checkpoints import newest_complete
 from actors.async_ps.prediction import STALENESS_AVERAGING, WeightPredictor
-from actors.async_ps.server import ParameterServer, ServerSpec, StalenessViolation
+from actors.async_ps.server import ParameterServer, ServerFailed, ServerSpec
 from actors.async_ps.shards import assign_parameters
 from actors.async_ps.tickets import TicketBook
 from actors.data_order import GlobalSampleOrder
@@ -58,6 +60,16 @@ def test_a_rewind_takes_back_every_later_update():
     assert [book.lease("a") for _ in range(3)] == [2, 3, 4]
 
 
+def test_a_book_resumed_from_a_checkpoint_never_leases_an_applied_step_again():
+    book = TicketBook(total_steps=6, max_staleness=9)
+    book.rewind(4, [0, 2, 1, 4])                       # ticket 3 was refused, then the run stopped
+    assert book.steps_applied == 4
+    assert [book.lease("a") for _ in range(3)] == [3, 5, None]
+    finished = TicketBook(total_steps=3, max_staleness=9)
+    finished.rewind(3, [0, 1, 2])
+    assert finished.done and finished.lease("a") is None
+
+
 def test_parameters_are_spread_over_servers_by_size():
     shards = assign_parameters({"w1": 1000, "b1": 10, "w2": 600, "b2": 5}, num_servers=2)
     assert shards == [["w1"], ["w2", "b1", "b2"]]
@@ -75,9 +87,20 @@ def gradients_of(server: ParameterServer, value: float) -> dict[str, torch.Tenso
     return {name: torch.full_like(p, value) for name, p in server.params.items()}
 
 
-def test_a_server_applies_updates_in_their_order_and_never_a_stale_one(tmp_path):
-    server = ParameterServer(server_spec(tmp_path), index=0, names=[n for n, _ in
-                                                                      load_workload("digits").build_model().named_parameters()])
+def digits_names() -> list[str]:
+    return [name for name, _ in load_workload("digits").build_model().named_parameters()]
+
+
+def wait_written(server: ParameterServer, version: int) -> None:
+    """Until the server's saver wrote ``version`` (its own thread writes while the server goes on)."""
+    deadline = time.monotonic() + 120
+    while server.beat().written < version:
+        assert time.monotonic() < deadline, f"version {version} was not written in 120 s"
+        time.sleep(0.01)
+
+
+def test_a_server_applies_updates_in_their_order(tmp_path):
+    server = ParameterServer(server_spec(tmp_path), index=0, names=digits_names())
     epoch, _, before = server.pull()
     before = {name: tensor.clone() for name, tensor in before.items()}
     assert server.push(epoch, 2, 0, gradients_of(server, 1.0), {}, ticket=1)
@@ -86,11 +109,30 @@ def test_a_server_applies_updates_in_their_order_and_never_a_stale_one(tmp_path)
     assert server.version == 2 and server.max_applied_staleness == 1
     applied = {name: tensor.clone() for name, tensor in server.pull()[2].items()}
     assert any(not torch.equal(applied[n], before[n]) for n in before)
-    with pytest.raises(StalenessViolation, match="2 updates old"):
-        server.push(epoch, 3, 0, gradients_of(server, 1.0), {}, ticket=2)
-    assert all(torch.equal(server.pull()[2][n], applied[n]) for n in applied)   # it never reached the parameters
-    assert not server.skip(epoch, 4) and server.version == 2                     # 3 still holds 4 back
     assert not server.push(epoch + 1, 5, 2, gradients_of(server, 1.0), {}, ticket=4)  # another epoch's: refused
+    assert not server.skip(epoch, 4) and server.version == 2                     # 3 still holds 4 back
+    assert server.skip(epoch, 2)                                                 # applied already
+
+
+def test_a_server_whose_update_raises_fails_for_good_with_its_traceback(tmp_path):
+    """Issue 29: the update that raised was popped and every later one waited for it forever. Now the server
+    keeps the error and raises it, with the traceback, at every later call (the Controller fails the run)."""
+    server = ParameterServer(server_spec(tmp_path), index=0, names=digits_names())
+    epoch = 0
+    server.push(epoch, 1, 0, gradients_of(server, 1.0), {}, ticket=0)
+    server.push(epoch, 2, 0, gradients_of(server, 1.0), {}, ticket=1)
+    applied = {name: tensor.clone() for name, tensor in server.params.items()}
+    assert server.push(epoch, 4, 2, gradients_of(server, 1.0), {}, ticket=3)   # held back for update 3
+    with pytest.raises(ServerFailed, match=r"parameter server 0 failed applying update 3: StalenessViolation: "
+                                           r"update 3 .* 2 updates old") as failed:
+        server.push(epoch, 3, 0, gradients_of(server, 1.0), {}, ticket=2)
+    assert "Traceback" in failed.value.details and "in _apply" in failed.value.details
+    assert all(torch.equal(server.params[n], applied[n]) for n in applied)     # it never reached the parameters
+    for call in (server.pull, server.beat, server.stats, lambda: server.skip(epoch, 5),
+                 lambda: server.push(epoch, 5, 4, gradients_of(server, 1.0), {}, ticket=4)):
+        with pytest.raises(ServerFailed) as again:
+            call()
+        assert again.value is failed.value
 
 
 def test_a_checkpoint_of_two_servers_restores_into_one(tmp_path):
@@ -98,15 +140,20 @@ def test_a_checkpoint_of_two_servers_restores_into_one(tmp_path):
     shards = assign_parameters({n: 1 for n in names}, num_servers=2)
     servers = [ParameterServer(server_spec(tmp_path, num_servers=2, every_steps=2), index=i, names=shards[i])
                for i in range(2)]
+    for server in servers:
+        server.restore(1, None, "0a")
     for update in (1, 2):
         for server in servers:
-            server.push(0, update, 0, gradients_of(server, 0.1 * update), {}, ticket=update - 1)  # 2: 1 stale
-    directory, version = newest_complete(str(tmp_path))
-    assert version == 2
+            server.push(1, update, 0, gradients_of(server, 0.1 * update), {}, ticket=update - 1)  # 2: 1 stale
+    for server in servers:
+        wait_written(server, 2)
+    cut = newest_complete(str(tmp_path))
+    assert (cut.version, cut.lineage, cut.num_servers) == (2, "0a", 2)
     saved = {**servers[0].state(), **servers[1].state()}
     served = {**servers[0].pull()[2], **servers[1].pull()[2]}  # update 2 was 1 stale: predicted parameters
     single = ParameterServer(server_spec(tmp_path, num_servers=1), index=0, names=names)
-    assert single.restore(1, directory) == 2 and single.tickets_applied() == [0, 1]
+    restored = single.restore(2, cut, "0b")
+    assert restored.version == 2 and restored.tickets == [0, 1]
     restored = single.state()
     for name, tensor in saved.items():
         torch.testing.assert_close(restored[name], tensor, msg=name)

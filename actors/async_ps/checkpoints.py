@@ -1,50 +1,115 @@
-"""The parameter servers' checkpoints: which directories are complete, which to keep.
+"""The parameter servers' checkpoints on disk: names, which cuts are whole, which to keep, which to clear.
 
-A directory ``ps_<version>`` is complete when it holds ``server_<i>_of_<n>.pt`` for every i < n (the
-servers write at the same versions, each its own file, atomically)::
+Every ``checkpoint.every_steps`` updates each server writes its share to
+``<root>/ps_<version>/server_<index>_of_<count>.<lineage>.pt``. The lineage names the epoch that wrote it (a tag
+chosen at every restore, later ones sorting higher): after a restore the servers' timeline goes back, and a new
+epoch writes the same versions again. A cut is whole only when every index < count has a file of the same
+lineage in one directory, so files that two epochs wrote never make one cut (issue 29). Only our own files
+are ever deleted: the server files and their ``.tmp``, then the directory if nothing else is left in it::
 
-    newest_complete("runs/x/checkpoints")      # ("runs/x/checkpoints/ps_00000100", 100), or None
+    newest_complete("runs/x/checkpoints")   # Cut(".../ps_00000100", version=100, lineage="18f3a...", num_servers=2)
+    clear_after("runs/x/checkpoints", 50)   # a restore to version 50: the abandoned timeline's files go
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+from dataclasses import dataclass
 
 import fsspec
 
-from actors.async_ps.server import CHECKPOINT_PREFIX
+CHECKPOINT_PREFIX = "ps_"
+_DIRECTORY = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)$")
+_SERVER_FILE = re.compile(r"server_(\d+)_of_(\d+)(?:\.([0-9a-f]+))?\.pt(\.tmp)?$")
+"""index, count, lineage (none in files written before lineages existed), and a write not yet renamed."""
 
-_SERVER_FILE = re.compile(r"server_(\d+)_of_(\d+)\.pt$")
+
+@dataclass(frozen=True)
+class Cut:
+    """One whole checkpoint: the files of ``num_servers`` servers of one lineage at ``version``."""
+
+    directory: str
+    version: int
+    lineage: str
+    num_servers: int
+
+    def files(self) -> list[str]:
+        return [server_file(self.directory, index, self.num_servers, self.lineage) for index in range(self.num_servers)]
 
 
-def complete_checkpoints(root: str) -> list[tuple[str, int]]:
-    """Every complete checkpoint under ``root`` as (directory, version), oldest first."""
-    fs, path = fsspec.core.url_to_fs(root)
-    if not fs.exists(path):
-        return []
+def checkpoint_dir(root: str, version: int) -> str:
+    return f"{root.rstrip('/')}/{CHECKPOINT_PREFIX}{version:08d}"
+
+
+def server_file(directory: str, index: int, num_servers: int, lineage: str) -> str:
+    tag = f".{lineage}" if lineage else ""
+    return f"{directory}/server_{index}_of_{num_servers}{tag}.pt"
+
+
+def complete_checkpoints(root: str) -> list[Cut]:
+    """Every whole cut under ``root``, oldest first (in a directory with several, the newest lineage's)."""
     found = []
-    for entry in fs.ls(path, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if not (name.startswith(CHECKPOINT_PREFIX) and name[len(CHECKPOINT_PREFIX):].isdigit()):
-            continue
-        files = [_SERVER_FILE.search(f) for f in fs.ls(entry, detail=False)]
-        counts = {int(m.group(2)) for m in files if m}
-        indices = {int(m.group(1)) for m in files if m}
-        if len(counts) == 1 and indices == set(range(counts.pop())):
-            found.append((f"{root.rstrip('/')}/{name}", int(name[len(CHECKPOINT_PREFIX):])))
-    return sorted(found, key=lambda item: item[1])
+    for directory, version, names in _directories(root):
+        files: dict[tuple[str, int], set[int]] = {}
+        for name in names:
+            match = _SERVER_FILE.match(name)
+            if match and not match.group(4):
+                files.setdefault((match.group(3) or "", int(match.group(2))), set()).add(int(match.group(1)))
+        whole = [key for key, indices in files.items() if indices == set(range(key[1]))]
+        if whole:
+            lineage, count = max(whole)
+            found.append(Cut(directory, version, lineage, count))
+    return sorted(found, key=lambda cut: cut.version)
 
 
-def newest_complete(root: str) -> tuple[str, int] | None:
-    found = complete_checkpoints(root)
+def newest_complete(root: str, excluding: frozenset[Cut] = frozenset()) -> Cut | None:
+    """The newest whole cut that is not in ``excluding`` (cuts found unreadable)."""
+    found = [cut for cut in complete_checkpoints(root) if cut not in excluding]
     return found[-1] if found else None
 
 
 def prune(root: str, keep: int) -> None:
-    """Delete all but the ``keep`` newest complete checkpoints."""
+    """Keep the ``keep`` newest whole cuts; clear older directories, whole or not (no server writes there again)."""
     found = complete_checkpoints(root)
-    if len(found) <= keep:
+    if not found:
         return
-    fs, _ = fsspec.core.url_to_fs(root)
-    for directory, _ in found[:-keep]:
-        fs.rm(directory, recursive=True)
+    kept, newest = {cut.directory for cut in found[-keep:]}, found[-1].version
+    for directory, version, names in _directories(root):
+        if directory not in kept and version < newest:
+            _clear(directory, names)
+
+
+def clear_after(root: str, version: int) -> None:
+    """The servers were restored to ``version``: clear every directory of a later version (files of the abandoned
+    timeline, whole or half written)."""
+    for directory, found_version, names in _directories(root):
+        if found_version > version:
+            _clear(directory, names)
+
+
+def _directories(root: str) -> list[tuple[str, int, list[str]]]:
+    """(directory, version, the names in it) for every ``ps_<version>`` directory under ``root``."""
+    fs, path = fsspec.core.url_to_fs(root)
+    if not fs.exists(path):
+        return []
+    found = []
+    for entry in fs.ls(path, detail=True):
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        match = _DIRECTORY.match(name)
+        if match and entry["type"] == "directory":
+            names = [child.rstrip("/").rsplit("/", 1)[-1] for child in fs.ls(entry["name"], detail=False)]
+            found.append((f"{root.rstrip('/')}/{name}", int(match.group(1)), names))
+    return found
+
+
+def _clear(directory: str, names: list[str]) -> None:
+    """Delete our server files in ``directory``, then the directory if that left it empty (anything else stays)."""
+    fs, path = fsspec.core.url_to_fs(directory)
+    for name in names:
+        if _SERVER_FILE.match(name):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(f"{path}/{name}")
+    if not fs.ls(path, detail=False):
+        with contextlib.suppress(OSError):
+            fs.rmdir(path)

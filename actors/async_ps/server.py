@@ -11,19 +11,27 @@ Admitted gradients carry their update number; a server applies them strictly in 
 back one that overtook an earlier one), so each server's version is the number of updates it applied
 and the staleness checked here is exactly the one admitted. An update whose worker died before
 pushing it is skipped (``skip``). Every ``checkpoint.every_steps`` updates the server writes its share
-to ``<checkpoint root>/ps_<version>/server_<index>_of_<count>.pt``; all servers of a run write at the
-same versions, so one directory with every server's file is a consistent cut of the whole state, loadable
-at any server count (``restore``)::
+(on its saver's thread, saver.py) to ``<checkpoint root>/ps_<version>/server_<index>_of_<count>.<lineage>.pt``;
+all servers of an epoch write at the same versions with the same lineage, so those files are one whole cut of
+the state, loadable at any server count (``restore``; checkpoints.py).
+
+An update that raises (an optimizer error, a gradient that does not fit, a staleness the admission should
+have refused) fails the server for good: it applies nothing more and every later call raises the same
+``ServerFailed``, with the traceback, which the Controller turns into the run's failure - nothing waits on
+an update that will never come (issue 29)::
 
     server = ParameterServer(spec, index=0, names=["w", "b"])
+    server.restore(epoch=1, cut=None, lineage="18f3a0c2d4e5f607")
     epoch, version, params = server.pull()
     server.push(epoch, update=1, read_version=0, gradients={"w": ..., "b": ...}, buffers={}, ticket=0)
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +39,12 @@ import fsspec
 import ray
 import torch
 
+from actors.async_ps.checkpoints import Cut, checkpoint_dir, server_file
 from actors.async_ps.prediction import WeightPredictor
+from actors.async_ps.saver import SaveFailure, ServerSaver, Snapshot
 from actors.recipe import learning_rate, optimizer_factory, set_learning_rate
 from jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from workloads import load_workload
-
-CHECKPOINT_PREFIX = "ps_"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,12 +67,38 @@ class StalenessViolation(RuntimeError):
     """A gradient older than max_staleness reached a server: a defect of the admission, never applied."""
 
 
-def checkpoint_dir(root: str, version: int) -> str:
-    return f"{root.rstrip('/')}/{CHECKPOINT_PREFIX}{version:08d}"
+class ServerFailed(RuntimeError):
+    """An update raised on this server: it takes no further call. ``summary`` names the server and the update."""
+
+    def __init__(self, summary: str, details: str) -> None:
+        super().__init__(summary, details)
+        self.summary, self.details = summary, details
+
+    def __str__(self) -> str:
+        return f"{self.summary}\n{self.details}"
 
 
-def server_file(directory: str, index: int, num_servers: int) -> str:
-    return f"{directory}/server_{index}_of_{num_servers}.pt"
+class UnreadableCheckpoint(ValueError):
+    """A file of the cut to restore cannot be read, or is not what its name says: the Controller takes an older cut."""
+
+
+@dataclass(frozen=True)
+class ServerBeat:
+    """A heartbeat's answer."""
+
+    epoch: int
+    version: int
+    written: int
+    """The newest version whose file this epoch wrote (or restored from)."""
+    failed_saves: tuple[SaveFailure, ...] = ()
+    """Saves that failed since the last heartbeat."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    version: int
+    tickets: list[int]
+    """The ticket of every update applied up to ``version``, in update order (-1: skipped)."""
 
 
 class ParameterServer:
@@ -74,13 +108,17 @@ class ParameterServer:
         self.workload = load_workload(spec.workload.name, spec.workload.options)
         self.build_optimizer = optimizer_factory(spec.optim, getattr(self.workload, "configure_optimizer", None))
         self.epoch = 0
+        self.lineage = ""
         self.max_applied_staleness = 0
+        self.failure: ServerFailed | None = None
+        self.saver = ServerSaver()
         self._reset()
 
     # -- what workers call ---------------------------------------------------------------------------------
     def pull(self) -> tuple[int, int, dict[str, torch.Tensor]]:
         """(epoch, version, this server's parameters - predicted where ``predict_weights`` - and buffers, on
         server 0)."""
+        self._raise_if_failed()
         params = self.predictor.served(self.version) if self.predictor else self.params
         return self.epoch, self.version, self._served(params)
 
@@ -88,6 +126,7 @@ class ParameterServer:
              buffers: dict[str, torch.Tensor], ticket: int) -> bool:
         """Take admitted update ``update`` (computed on this server's version ``read_version``); False when it
         belongs to an epoch before a restore (the worker fetches the servers again)."""
+        self._raise_if_failed()
         if epoch != self.epoch:
             return False
         self.pending[update] = (read_version, gradients, buffers, ticket)
@@ -97,6 +136,7 @@ class ParameterServer:
     # -- what the Controller calls -------------------------------------------------------------------------
     def skip(self, epoch: int, update: int) -> bool:
         """Update ``update``'s worker died: True if its gradient arrived here anyway, else it is skipped."""
+        self._raise_if_failed()
         if epoch != self.epoch:
             return False
         if update <= self.version or update in self.pending:
@@ -105,34 +145,49 @@ class ParameterServer:
         self._apply_ready()
         return False
 
-    def restore(self, epoch: int, directory: str | None) -> int:
-        """Start epoch ``epoch`` from checkpoint ``directory`` (None: the run's initial state); returns the version."""
-        self.epoch = epoch
+    def restore(self, epoch: int, cut: Cut | None, lineage: str) -> Restored:
+        """Start epoch ``epoch`` from ``cut`` (None: the run's initial state), writing its checkpoints as ``lineage``.
+        A save of the epoch before is let end first: no file of it is written after this returns."""
+        self._raise_if_failed()
+        self.saver.reset(written=cut.version if cut else 0)
+        self.epoch, self.lineage = epoch, lineage
         self._reset()
-        if directory is not None:
-            self._load(directory)
-        return self.version
+        if cut is not None:
+            self._load(cut)
+        self.submitted = self.version
+        return Restored(self.version, list(self.tickets))
 
-    def version_now(self) -> int:
-        return self.version
+    def beat(self) -> ServerBeat:
+        """A heartbeat, answered by the thread that applies updates (a stopped or stuck one answers nothing)."""
+        self._raise_if_failed()
+        return ServerBeat(self.epoch, self.version, self.saver.written, tuple(self.saver.take_failures()))
 
-    def tickets_applied(self) -> list[int]:
-        """The ticket of every update applied so far, in update order (-1: skipped)."""
-        return list(self.tickets)
+    def pid(self) -> int:
+        return os.getpid()
 
     def stats(self) -> dict[str, int]:
+        self._raise_if_failed()
         return {"version": self.version, "epoch": self.epoch, "max_applied_staleness": self.max_applied_staleness,
                 "skipped_updates": self.skipped_count}
 
     def save(self) -> str:
-        """Write this server's share now (the end of the run); returns the checkpoint directory."""
-        return self._save()
+        """Write this server's share at its version now (the end of the run), unless this epoch already did or
+        was restored there; returns the checkpoint directory. Heartbeats say when the file is written."""
+        self._raise_if_failed()
+        if self.submitted != self.version:
+            self._submit_save()
+        return checkpoint_dir(self.spec.checkpoint_root, self.version)
 
     def state(self) -> dict[str, torch.Tensor]:
         """This server's share of the final model (parameters; buffers on server 0)."""
+        self._raise_if_failed()
         return {name: tensor.detach().clone() for name, tensor in self._served().items()}
 
     # -- inside ---------------------------------------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
     def _reset(self) -> None:
         torch.manual_seed(self.spec.training.seed)  # the same initial parameters on every server
         self.model = self.workload.build_model()
@@ -140,6 +195,8 @@ class ParameterServer:
         self.params = {name: p for name, p in self.model.named_parameters() if name in set(self.names)}
         self.predictor = WeightPredictor(self.params) if self.spec.predict_weights else None
         self.version = 0
+        self.submitted = 0
+        """The newest version handed to the saver (or restored)."""
         self.tickets: list[int] = []
         """The ticket of every update this server applied (-1: skipped), in update order."""
         self.pending: dict[int, tuple[int, dict, dict, int]] = {}
@@ -154,18 +211,23 @@ class ParameterServer:
         return served
 
     def _apply_ready(self) -> None:
-        while True:
-            following = self.version + 1
-            if following in self.skipped:
-                self.skipped.discard(following)
-                self.skipped_count += 1
-                if self.predictor:
-                    self.predictor.before_update()  # no change to extrapolate
-                self._advance(-1)
-            elif following in self.pending:
-                self._apply(following, *self.pending.pop(following))
-            else:
-                return
+        try:
+            while True:
+                following = self.version + 1
+                if following in self.skipped:
+                    self.skipped.discard(following)
+                    self.skipped_count += 1
+                    if self.predictor:
+                        self.predictor.before_update()  # no change to extrapolate
+                    self._advance(-1)
+                elif following in self.pending:
+                    self._apply(following, *self.pending.pop(following))
+                else:
+                    return
+        except Exception as error:
+            self.failure = ServerFailed(f"parameter server {self.index} failed applying update {self.version + 1}: "
+                                        f"{type(error).__name__}: {error}", traceback.format_exc())
+            raise self.failure from error
 
     def _apply(self, update: int, read_version: int, gradients: dict, buffers: dict, ticket: int) -> None:
         if any(f.step == update for f in self.spec.faults):
@@ -195,36 +257,36 @@ class ParameterServer:
         self.version += 1
         self.tickets.append(ticket)
         if self.spec.every_steps and self.version % self.spec.every_steps == 0:
-            self._save()
+            self._submit_save()
 
-    def _save(self) -> str:
-        directory = checkpoint_dir(self.spec.checkpoint_root, self.version)
-        fs, path = fsspec.core.url_to_fs(server_file(directory, self.index, self.spec.num_servers))
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        payload = {"config_hash": self.spec.config_hash, "version": self.version, "tickets": list(self.tickets),
-                   "params": {n: p.detach() for n, p in self._served().items()},
-                   "optimizer": self.optimizer.state_dict(),
+    def _submit_save(self) -> None:
+        """A copy of this server's share at its version, to be written by the saver's thread."""
+        payload = {"config_hash": self.spec.config_hash, "version": self.version, "lineage": self.lineage,
+                   "tickets": list(self.tickets),
+                   "params": {n: p.detach().clone() for n, p in self._served().items()},
+                   "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                    "prediction": self.predictor.state_dict() if self.predictor else {}}
-        with fs.open(f"{path}.tmp", "wb") as handle:
-            torch.save(payload, handle)
-        fs.mv(f"{path}.tmp", path)  # a reader sees the whole file or none
-        return directory
+        directory = checkpoint_dir(self.spec.checkpoint_root, self.version)
+        path = server_file(directory, self.index, self.spec.num_servers, self.lineage)
+        self.saver.submit(Snapshot(self.version, path, payload))
+        self.submitted = self.version
 
-    def _load(self, directory: str) -> None:
-        fs, path = fsspec.core.url_to_fs(directory)
+    def _load(self, cut: Cut) -> None:
+        """Every file of ``cut`` (whatever the server count that wrote it): this server's parameters, their optimizer
+        state and the prediction state. Each file is checked against its name: one lineage, one version."""
         merged_state: dict[int, Any] = {}
         groups = None
         entries: dict[str, torch.Tensor] = {}
         previous: dict[str, torch.Tensor] = {}
         expected_staleness = 0.0
-        for name in sorted(fs.ls(path, detail=False)):
-            if not name.endswith(".pt"):
-                continue
-            with fs.open(name, "rb") as handle:
-                saved = torch.load(handle, weights_only=True)
+        for name in cut.files():
+            saved = _read(name)
             if saved["config_hash"] != self.spec.config_hash:
                 raise ValueError(f"{name} was saved by another job (config hash {saved['config_hash']}, this job's "
-                                 f"is {self.spec.config_hash})")
+                                 f"is {self.spec.config_hash}); use another checkpoint.path for this job")
+            if saved["version"] != cut.version or saved.get("lineage", "") != cut.lineage:
+                raise UnreadableCheckpoint(f"{name} holds version {saved['version']} of lineage "
+                                           f"{saved.get('lineage', '')!r}, not what its name says")
             self.version, self.tickets = saved["version"], list(saved["tickets"])
             entries |= saved["params"]
             merged_state |= saved["optimizer"]["state"]
@@ -243,6 +305,15 @@ class ParameterServer:
                                         "param_groups": groups})
         if self.predictor:
             self.predictor.load_state_dict({"previous": previous, "expected_staleness": expected_staleness})
+
+
+def _read(path: str) -> dict[str, Any]:
+    fs, local = fsspec.core.url_to_fs(path)
+    try:
+        with fs.open(local, "rb") as handle:
+            return torch.load(handle, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - a missing, truncated or foreign file: the cut is not loadable
+        raise UnreadableCheckpoint(f"{path} could not be read: {type(error).__name__}: {error}") from None
 
 
 ParameterServerActor = ray.remote(ParameterServer)

@@ -101,9 +101,11 @@ class TicketBook:
 
     def rewind(self, version: int, applied: list[int]) -> None:
         """The servers went back to update ``version`` (a checkpoint whose tickets are ``applied``): every later
-        update's ticket, and every lease, is computed again."""
+        update's ticket, and every lease, is computed again. A book that starts from a checkpoint (a resumed run)
+        leases none of its tickets again."""
         self.applied = list(applied[:version])
         done = {t for t in self.applied if t >= 0}
         self.leases.clear()
+        self._next_fresh = max(self._next_fresh, max(done, default=-1) + 1)
         self._returned = [t for t in range(self._next_fresh) if t not in done]
         heapq.heapify(self._returned)

@@ -98,8 +98,10 @@ class AsyncWorker:
         started = time.perf_counter()
         try:
             pulled = ray.get([server.pull.remote() for server in lease.servers], timeout=self.spec.server_timeout_s)
-        except (ray.exceptions.RayError, TimeoutError):  # a server is lost: the Controller restores the servers
+        except (ray.exceptions.RayError, TimeoutError):
+            # a server is lost (the Controller restores the servers) or failed (the Controller fails the run)
             ray.get(self.controller.give_back.remote(self.spec.name, lease.ticket))
+            time.sleep(IDLE_WAIT_S)
             return 0
         if any(epoch != lease.epoch for epoch, _, _ in pulled):  # the servers were restored since the lease
             ray.get(self.controller.give_back.remote(self.spec.name, lease.ticket))
@@ -137,7 +139,7 @@ class AsyncWorker:
         try:
             ray.get(pushes, timeout=self.spec.server_timeout_s)
         except (ray.exceptions.RayError, TimeoutError):
-            pass  # a server is lost: its restore takes back this update with every other after its checkpoint
+            pass  # a server is lost (its restore takes this update back) or failed (the Controller fails the run)
         return 1
 
     def _cross_link(self, num_bytes: int) -> float:

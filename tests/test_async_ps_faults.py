@@ -1,0 +1,169 @@
+"""async_ps fault paths on a real local Ray (issue 29): a server whose update raises fails the run with its
+traceback; a server stopped (SIGSTOP) while the Controller waits on it is replaced and the run finishes, with the
+default failure timeouts; a restore after a restore applies every step once; a finished run run again finishes;
+a save that fails is a checkpoint_failed event."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from actors.async_ps.checkpoints import complete_checkpoints
+from actors.controller import RunFailed
+from cluster.job import train
+from tests.helpers import assert_states_close, job, load_model
+from tests.test_async_ps import applied_tickets
+from workloads.digits import Digits
+
+ASYNC = ("strategy.name=async_ps", "strategy.server_cpus=0.5")
+
+
+class _SGDThatFails(torch.optim.SGD):
+    def __init__(self, params, *, lr: float, fail_at: int) -> None:
+        super().__init__(params, lr=lr)
+        self.fail_at, self.steps = fail_at, 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError(f"injected optimizer failure at its step {self.fail_at}")
+        return super().step(closure)
+
+
+class FailingOptimizerDigits(Digits):
+    """Digits whose optimizer (stepped by the parameter servers only) raises at its ``fail_at``-th step."""
+
+    def __init__(self, *, fail_at: int, **options) -> None:
+        super().__init__(**options)
+        self.fail_at = fail_at
+
+    def configure_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return _SGDThatFails(model.parameters(), lr=0.1, fail_at=self.fail_at)
+
+
+class PausingDigits(Digits):
+    """Digits whose first evaluation (the Controller's, at the end of the run) touches ``<signal_dir>/evaluating``
+    and waits for ``<signal_dir>/go``: a test stops a server meanwhile."""
+
+    def __init__(self, *, signal_dir: str, **options) -> None:
+        super().__init__(**options)
+        self.signal_dir = Path(signal_dir)
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        started = self.signal_dir / "evaluating"
+        if not started.exists():
+            started.touch()
+            deadline = time.monotonic() + 300
+            while not (self.signal_dir / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return super().evaluate(model)
+
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def test_a_server_whose_update_raises_fails_the_run_with_its_traceback(tmp_path):
+    """Issue 29: the update that raised was lost, every later one waited for it, and the run never ended."""
+    config = job("training.steps=30", *ASYNC, "workload.name=tests.test_async_ps_faults:FailingOptimizerDigits",
+                 "workload.options={fail_at: 5}", name="ps-raises")
+    with pytest.raises(RunFailed, match="parameter server 0 failed applying update 5: RuntimeError: injected "
+                                        "optimizer failure at its step 5") as failed:
+        train(config, run_dir=tmp_path)
+    assert "Traceback" in str(failed.value) and "in step" in str(failed.value)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "failed" and result["error"] == str(failed.value)
+
+
+def release(pid: int) -> None:
+    """Continue and kill the server we stopped, if Ray has not killed it (only that process: checked by its title)."""
+    with contextlib.suppress(OSError):
+        if b"ParameterServer" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_server_stopped_while_the_controller_waits_on_it_is_replaced_and_the_run_finishes(tmp_path):
+    """Issue 29: the Controller's calls to servers had no bound, so a server stopped while one of them waited
+    hung the run for good. Server 1 is stopped during the final evaluation; the Controller's next call to it
+    (the servers' stats) goes unanswered for failure.step_timeout_s, and it is replaced from the final checkpoint.
+    The default failure timeouts."""
+    stopped: list[int] = []
+
+    def stop_server_1_while_evaluating(_progress) -> None:
+        if stopped or not (tmp_path / "evaluating").exists():
+            return
+        pid = ray.get(ray.get_actor("raylastic:ps-stopped:server1").pid.remote(), timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+        (tmp_path / "go").touch()
+
+    config = job("training.steps=20", *ASYNC, "strategy.num_servers=2", "failure.collective_timeout_s=30",
+                 "workload.name=tests.test_async_ps_faults:PausingDigits",
+                 f"workload.options={{signal_dir: {tmp_path}}}", name="ps-stopped")
+    try:
+        result = train(config, run_dir=tmp_path / "run", on_progress=stop_server_1_while_evaluating)
+    finally:
+        for pid in stopped:
+            release(pid)
+    assert stopped and result.final_step == 20
+    failed = [e.details for e in result.events if e.type == "server_failed"]
+    assert failed == [{"server": 1, "reason": "no answer to stats for 10s (failure.step_timeout_s)"}]
+    restored = [e for e in result.events if e.type == "generation_formed"][-1]
+    assert restored.step == 20 and restored.details["state_source"] == "checkpoint"
+    assert result.checkpoint == restored.details["path"] and "accuracy" in result.metrics
+
+
+def test_a_restore_after_a_restore_reads_whole_cuts_and_applies_every_step_once(tmp_path):
+    """Server 1 dies at update 35 (the newest whole cut: 30), then server 0 at update 69 of the new epoch: the
+    second restore reads that epoch's cut, never a file left by the first, and every step is applied once."""
+    steps = 80
+    result = train(job(f"training.steps={steps}", "training.global_batch_size=64", *ASYNC, "strategy.num_servers=2",
+                       "checkpoint.every_steps=10", "training.record_samples=true",
+                       "faults=[{action: kill_server, rank: 1, step: 35}, {action: kill_server, rank: 0, step: 69}]",
+                       name="ps-twice"), run_dir=tmp_path)
+    assert result.final_step == steps
+    assert [e.details["server"] for e in result.events if e.type == "server_failed"] == [1, 0]
+    restored = [e for e in result.events if e.type == "generation_formed" and e.details["state_source"] == "checkpoint"]
+    assert [e.step for e in restored] == [30, 60]
+    applied_tickets(result, steps)
+    root = tmp_path / "checkpoints"
+    cuts = complete_checkpoints(str(root))
+    assert cuts[-1].version == steps and not [e for e in result.events if e.type == "checkpoint_failed"]
+    for cut in cuts:  # nothing else is left: no torn or abandoned files
+        assert sorted(str(p) for p in Path(cut.directory).iterdir()) == cut.files()
+    assert sorted(p.name for p in root.glob("ps_*")) == sorted(Path(cut.directory).name for cut in cuts)
+
+
+def test_a_finished_run_run_again_finishes(tmp_path):
+    """Issue 29: the run resumed at its last step applied no update, and its final loss divided by zero."""
+    settings = ("training.steps=20", *ASYNC, "checkpoint.every_steps=10")
+    first = train(job(*settings, name="ps-again"), run_dir=tmp_path)
+    again = train(job(*settings, name="ps-again"), run_dir=tmp_path)
+    assert again.final_step == 20 and again.history == []
+    assert [e.type for e in again.events if e.type in ("resumed", "worker_failed", "server_failed")] == ["resumed"]
+    assert "loss" not in again.metrics and again.metrics["accuracy"] == first.metrics["accuracy"]
+    assert_states_close(load_model(tmp_path), first.model_state, rtol=0, atol=0)
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "finished"
+
+
+def test_a_save_that_fails_is_a_checkpoint_failed_event_and_the_run_goes_on(tmp_path):
+    """Issue 29: a save's error was raised inside a push and swallowed. A file of the user's where version 10's
+    directory goes makes that save fail; the user's file stays as it was."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "ps_00000010").write_text("the user's")
+    result = train(job("training.steps=20", *ASYNC, "checkpoint.every_steps=10", f"checkpoint.path={root}",
+                       name="ps-save-fails"), run_dir=tmp_path / "run")
+    failed = [e for e in result.events if e.type == "checkpoint_failed"]
+    assert [(e.step, e.details["server"]) for e in failed] == [(10, 0)]
+    assert "ps_00000010/server_0_of_1." in failed[0].details["path"] and failed[0].details["error"]
+    assert result.final_step == 20 and result.checkpoint == f"{root}/ps_00000020"
+    assert (root / "ps_00000010").read_text() == "the user's"
