@@ -6,7 +6,8 @@ changes size mid-way still sees every sample of an epoch exactly once. The ranks
 slices of the step's samples, in rank order: by default rank r of w takes [r*B//w, (r+1)*B//w)
 (sizes differ by at most one); a ``BatchSplit`` gives the ranks slices of any sizes (actors/balance.py
 sizes them by each rank's speed). The step's gradient is the same either way: the loss is weighted
-per sample (actors/step_loop.py).
+per sample (actors/step_loop.py). An empty data set is refused; one smaller than a global batch is
+trained on with a warning, since each step then takes some of its samples more than once.
 
 Example::
 
@@ -17,9 +18,12 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,10 +57,21 @@ class BatchSplit:
 
 @dataclass
 class GlobalSampleOrder:
+    """The order of a data set of ``num_samples`` for steps of ``global_batch_size`` (both from the workload and
+    ``training.global_batch_size`` at a worker's start). Raises ValueError for an empty data set; warns when it
+    is smaller than one global batch."""
+
     num_samples: int
     global_batch_size: int
     seed: int
     _permutations: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"the workload's train_dataset() has {self.num_samples} samples: nothing to train on "
+                             f"(training.global_batch_size={self.global_batch_size} samples a step)")
+        if self.num_samples < self.global_batch_size:
+            logger.warning(short_dataset_warning(self.num_samples, self.global_batch_size))
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """The data set's order in ``epoch``; seeded by (seed, epoch) only, cached for two epochs."""
@@ -86,6 +101,14 @@ class GlobalSampleOrder:
             parts.append(self.permutation(epoch)[offset:offset + take])
             start += take
         return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+
+def short_dataset_warning(num_samples: int, global_batch_size: int) -> str:
+    """What repeats when a data set is smaller than a global batch: every step spans more than one epoch."""
+    return (f"the workload's train_dataset() has {num_samples} samples, fewer than training.global_batch_size="
+            f"{global_batch_size}: every step's {global_batch_size} samples span consecutive epochs' orders, so at "
+            f"least {global_batch_size - num_samples} of them repeat a sample already in that step; set "
+            f"training.global_batch_size to at most {num_samples} for no sample to repeat within a step")
 
 
 def rank_slice(global_batch_size: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -4,6 +4,7 @@ Examples::
 
     raylastic tokenize data/stdlib --stdlib                      # the Python stdlib's source, ~12 M tokens
     raylastic tokenize data/books books/ notes.md --glob '*.txt' --val-fraction 0.05
+    raylastic tokenize data/stdlib --stdlib --force              # replace the token directory made before
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         "tokenize", help="turn text files into train.bin/val.bin for the gpt workload",
         description="Concatenate text files (UTF-8, in the order given, a newline between files) into OUT_DIR's "
         "train.bin, val.bin (the trailing --val-fraction) and meta.json, tokenized by bytes (vocabulary 256). "
-        "The files are streamed, so the corpus may be larger than memory. Train on the result with "
-        "--set workload.name=gpt --set workload.options.data_dir=OUT_DIR.")
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created if missing)")
+        "The files are streamed, so the corpus may be larger than memory. The files are written into a new directory "
+        "beside OUT_DIR that is renamed to OUT_DIR once complete, so an interruption leaves OUT_DIR as it was. "
+        "Train on the result with --set workload.name=gpt --set workload.options.data_dir=OUT_DIR.")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created if missing); one that holds "
+                        "files is refused without --force")
     parser.add_argument("paths", metavar="FILES_OR_DIRS", nargs="*", type=Path,
                         help="text files, taken as given, and directories, searched recursively for files "
                         "matching --glob (sorted by path; hidden files and directories are skipped)")
@@ -35,6 +38,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="share of the tokens, taken from the end, written to val.bin; in (0, 1) (default 0.1)")
     parser.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16",
                         help="token id type on disk (default uint16; bytes fit either)")
+    parser.add_argument("--force", action="store_true", help="replace an existing OUT_DIR; only one holding "
+                        "nothing but train.bin, val.bin and meta.json is replaced")
     parser.set_defaults(run=run)
 
 
@@ -76,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         files += stdlib_corpus_files() if args.stdlib else []
         if not files:
             raise ValueError("no input files: give FILES_OR_DIRS, or --stdlib for the Python standard library")
-        meta = prepare_corpus(files, args.out_dir, val_fraction=args.val_fraction, dtype=args.dtype)
+        meta = prepare_corpus(files, args.out_dir, val_fraction=args.val_fraction, dtype=args.dtype,
+                              overwrite=args.force)
     except (ValueError, OSError) as error:
         errors.print(f"[bold red]error:[/] {error}", highlight=False)
         return 2

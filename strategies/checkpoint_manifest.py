@@ -4,7 +4,13 @@
 math hash, and every file of the checkpoint with its size and SHA-256 checksum. It is written (temp file,
 fsync, rename) only once every rank's files are on storage, so a directory without one is incomplete; a
 directory whose files do not match it, or whose DCP ``.metadata`` is not DCP's plain own (read by
-strategies/checkpoint_metadata.py) or names files it does not list, is never loaded.
+strategies/checkpoint_metadata.py) or names files it does not list, is never loaded. The manifest's names
+are plain file names in its directory (no ``/``, no ``..``), and each must be a regular file there: a named
+pipe, a device or a symbolic link out of the directory is refused before it is opened, so a planted
+manifest can neither read outside the checkpoint nor block the reader.
+
+``.raylastic-checkpoint``, the marker, is written into a step directory before any rank writes into it:
+only a directory with the marker or with a manifest is ours to delete (strategies/checkpoint.py).
 
 Example::
 
@@ -12,6 +18,7 @@ Example::
                                                  samples_consumed=7680, config_hash="ab12"))
     manifest = read_manifest(directory)        # None: missing or malformed
     problem = verify(directory, manifest)      # None: intact
+    file_problem(directory, "../x")            # "'../x' is not a plain file name in the checkpoint directory"
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import hashlib
 import json
 import os
 import pickle
+import stat
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,6 +42,11 @@ MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 """DCP's index of the checkpoint: which file holds which shard; written by rank 0."""
 FORMAT = "dcp-v1"
+MARKER_NAME = ".raylastic-checkpoint"
+"""Written first into every step directory we make: only a directory with it (or with a manifest) is deleted."""
+_MARKER_TEXT = "Raylastic writes checkpoints into this directory and may delete it when it prunes old ones.\n"
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFSOCK: "a socket",
+               stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +79,11 @@ def write_manifest(directory: str, manifest: CheckpointManifest,
 
 
 def read_manifest(directory: str) -> CheckpointManifest | None:
+    """``directory``'s manifest, or None when it has none, it is malformed or it is not a regular file."""
     fs, path = filesystem(directory)
     try:
+        if file_problem(directory, MANIFEST_NAME) is not None:
+            return None
         with fs.open(f"{path}/{MANIFEST_NAME}", "r") as handle:
             manifest = CheckpointManifest(**json.load(handle))
     except (OSError, ValueError, TypeError):
@@ -75,27 +92,44 @@ def read_manifest(directory: str) -> CheckpointManifest | None:
     return manifest if well_formed else None
 
 
-def verify(directory: str, manifest: CheckpointManifest) -> str | None:
+def verify(directory: str, manifest: CheckpointManifest, *, checksummed: Collection[str] | None = None) -> str | None:
     """Why ``directory`` must not be loaded (a missing, truncated or altered file, metadata that is not
-    DCP's plain own or names files the manifest does not list), or None if it is intact."""
+    DCP's plain own or names files the manifest does not list), or None if it is intact. ``checksummed``: the
+    files whose checksums are compared (None: all); the others are checked by their size only, without being
+    read (``checksum_share``: each loading rank reads its share)."""
     try:
-        return _problem(directory, manifest)
+        return _problem(directory, manifest, checksummed)
     except Exception as error:  # noqa: BLE001 - whatever is wrong with it, it is not loaded
         return f"cannot be checked: {type(error).__name__}: {error}"
 
 
-def _problem(directory: str, manifest: CheckpointManifest) -> str | None:
+def checksum_share(manifest: CheckpointManifest, rank: int, world_size: int) -> list[str]:
+    """The files whose checksums ``rank`` of ``world_size`` loading ranks compares: the files split by size
+    (largest first, each to the rank with the fewest bytes so far), so every file is read once and the ranks
+    read about as much. The same split on every rank."""
+    load = [0] * world_size
+    shares: list[list[str]] = [[] for _ in range(world_size)]
+    for name in sorted(manifest.files, key=lambda n: (-manifest.files[n]["size"], n)):
+        lightest = min(range(world_size), key=lambda r: (load[r], r))
+        shares[lightest].append(name)
+        load[lightest] += manifest.files[name]["size"]
+    return shares[rank]
+
+
+def _problem(directory: str, manifest: CheckpointManifest, checksummed: Collection[str] | None) -> str | None:
     fs, path = filesystem(directory)
     if manifest.format != FORMAT:
         return f"format {manifest.format!r}, expected {FORMAT!r}"
     for name, expected in manifest.files.items():
         file = f"{path}/{name}"
-        if not fs.exists(file):
-            return f"{name} is missing"
+        if (problem := file_problem(directory, name)) is not None:
+            return problem
         if fs.size(file) != expected["size"]:
             return f"{name} has {fs.size(file)} bytes, the manifest says {expected['size']}"
-        if _sha256(fs, file) != expected["sha256"]:
+        if (checksummed is None or name in checksummed) and _sha256(fs, file) != expected["sha256"]:
             return f"{name} does not match its checksum"
+    if (problem := file_problem(directory, METADATA_NAME)) is not None:
+        return problem
     try:
         with fs.open(f"{path}/{METADATA_NAME}", "rb") as handle:
             metadata = load_metadata(handle)
@@ -103,6 +137,52 @@ def _problem(directory: str, manifest: CheckpointManifest) -> str | None:
         return f"{METADATA_NAME} is refused: {error}"
     unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - manifest.files.keys())
     return f"{unlisted[0]} holds state but is not in the manifest" if unlisted else None
+
+
+def file_problem(directory: str, name: object) -> str | None:
+    """Why ``name`` is not a regular file of ``directory`` that may be read: not a plain file name in it,
+    missing, a named pipe, device or directory, or a symbolic link out of it. None: it may be opened.
+    Nothing is opened to find out (a named pipe would block the reader)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        return f"{name!r} is not a plain file name in the checkpoint directory (no '/', '\\' or '..')"
+    fs, path = filesystem(directory)
+    if isinstance(fs, LocalFileSystem):
+        return _local_file_problem(path, name)
+    try:
+        kind = fs.info(f"{path}/{name}")["type"]
+    except FileNotFoundError:
+        return f"{name} is missing"
+    return None if kind == "file" else f"{name} is not a regular file (fsspec type {kind!r})"
+
+
+def _local_file_problem(directory: str, name: str) -> str | None:
+    file = os.path.join(directory, name)
+    try:
+        mode = os.lstat(file).st_mode
+        if stat.S_ISLNK(mode):
+            inside = os.path.realpath(directory)
+            if os.path.commonpath([inside, os.path.realpath(file)]) != inside:
+                return f"{name} is a symbolic link out of the checkpoint directory (to {os.path.realpath(file)})"
+            mode = os.stat(file).st_mode
+    except FileNotFoundError:
+        return f"{name} is missing"
+    if stat.S_ISREG(mode):
+        return None
+    return f"{name} is {_FILE_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a regular file"
+
+
+def write_marker(directory: str) -> None:
+    """Mark ``directory`` (made by us, before anything is written into it) as ours to delete."""
+    fs, path = filesystem(directory)
+    with fs.open(f"{path}/{MARKER_NAME}", "w") as handle:
+        handle.write(_MARKER_TEXT)
+
+
+def written_by_us(directory: str) -> bool:
+    """Whether ``directory`` is a checkpoint directory we made: it holds our marker, or a manifest (a
+    checkpoint complete before the marker existed)."""
+    fs, path = filesystem(directory)
+    return fs.isfile(f"{path}/{MARKER_NAME}") or read_manifest(directory) is not None
 
 
 def filesystem(url: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -137,5 +217,9 @@ def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
 
 
 def checksums(directory: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    """{name: {"size", "sha256"}} of ``directory``'s files ``names``; ValueError if one is not a regular file."""
     fs, path = filesystem(directory)
+    for name in names:
+        if (problem := file_problem(directory, name)) is not None:
+            raise ValueError(f"{path}: {problem}")
     return {name: {"size": fs.size(f"{path}/{name}"), "sha256": _sha256(fs, f"{path}/{name}")} for name in names}

@@ -15,17 +15,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from strategies.checkpoint_manifest import read_manifest, verify
+from strategies.checkpoint_manifest import MANIFEST_NAME, file_problem, read_manifest, verify
 from strategies.checkpoint_metadata import safe_reader
 
 MODEL_PREFIX = "model."
 
 
 def load_full_model_state(directory: str) -> dict[str, torch.Tensor]:
-    """The model's full tensors from a checkpoint (any strategy, any world size), in this process."""
+    """The model's full tensors from a checkpoint (any strategy, any world size), in this process. A
+    directory without a valid manifest, or whose files do not match it, raises ValueError saying why."""
     manifest = read_manifest(directory)
     if manifest is None:
-        raise ValueError(f"{directory} is not a complete checkpoint (no valid manifest.json)")
+        why = file_problem(directory, MANIFEST_NAME) or f"{MANIFEST_NAME} is not a valid manifest"
+        raise ValueError(f"{directory} is not a complete checkpoint: {why}")
     problem = verify(directory, manifest)
     if problem is not None:
         raise ValueError(f"{directory} is damaged: {problem}")

@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import resource
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,67 +20,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from actors.run_status import RunStatus
 from strategies.checkpoint import Checkpointer, CheckpointLoadError, complete_checkpoints, load_into, newest_loadable
-from strategies.checkpoint_manifest import MANIFEST_NAME, read_manifest, verify, write_manifest
+from strategies.checkpoint_manifest import MANIFEST_NAME, read_manifest, verify
 from strategies.checkpoint_metadata import safe_reader
 from strategies.export import load_full_model_state
+from tests.checkpoint_saves import SHARD_VALUES, Saves, replant_manifest, save_steps, sharded_state, step_dirs
 from tests.distributed_harness import run_distributed
-
-SHARD_VALUES = 4096
-
-
-def sharded_state(offset: float = 0.0) -> dict[str, torch.Tensor]:
-    """Every rank's shard of a ZeRO-3 style state (a DTensor), so that every rank writes a file of its own."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    return {"model.w": distribute_tensor(torch.arange(float(SHARD_VALUES)) + offset, mesh, [Shard(0)])}
-
-
-@dataclass(frozen=True)
-class Saves:
-    """Saves of one process group: ``steps`` in order, into ``root``."""
-
-    root: str
-    steps: tuple[int, ...]
-    num_to_keep: int = 10
-    async_save: bool = False
-    config_hash: str = "job"
-    failing_rank: int | None = None
-    """On this rank, writes during ``failing_steps`` fail as on a full disk: a file-size limit (the kernel
-    answers EFBIG; Python ignores SIGXFSZ)."""
-    failing_steps: tuple[int, ...] = ()
-
-
-def save_steps(saves: Saves) -> list[str]:
-    """On every rank: what each save came to, "ok <dir>" or the error; "hung" if it neither completes nor
-    fails within 30 s."""
-    checkpointer = Checkpointer(root=saves.root, every_steps=1, num_to_keep=saves.num_to_keep,
-                                config_hash=saves.config_hash, global_batch_size=1, async_save=saves.async_save)
-    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-    outcomes = []
-    for step in saves.steps:
-        failing = dist.get_rank() == saves.failing_rank and step in saves.failing_steps
-        if failing:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limits[1]))
-        started = time.monotonic()
-        try:
-            path = checkpointer.save(step, sharded_state(step), strategy="zero3",
-                                     world_size=dist.get_world_size()).result(timeout=30)
-            outcomes.append(f"ok {path}")
-        except TimeoutError:
-            outcomes.append("hung")
-        except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
-            outcomes.append(f"{type(error).__name__} after {time.monotonic() - started:.1f} s: {error}")
-        finally:
-            if failing:
-                resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-    return outcomes
-
-
-def step_dirs(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
-
 
 # -- a failed write ----------------------------------------------------------------------------------------
 
@@ -136,11 +78,6 @@ def global_call(module: str, name: str, argument: str) -> bytes:
         return b"\x8c" + bytes([len(encoded)]) + encoded  # SHORT_BINUNICODE
 
     return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(argument) + b"\x85R."  # TUPLE1 REDUCE STOP
-
-
-def replant_manifest(directory: Path) -> None:
-    """What an attacker who can write the checkpoint does too: checksums that match the planted files."""
-    write_manifest(str(directory), read_manifest(str(directory)))
 
 
 class RunsCode:

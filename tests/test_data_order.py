@@ -117,3 +117,29 @@ def test_every_rank_runs_as_many_micro_batches_as_the_largest_share_needs():
     assert micro_batch_count(split, 3) == 3
     small = micro_batches(torch.tensor([5, 6]), 3)  # fewer samples than micro-batches: padded with the last
     assert [c.tolist() for c in small] == [[5], [6], [6]]
+
+
+def test_an_empty_data_set_is_refused_naming_its_size_and_the_batch_field():
+    with pytest.raises(ValueError, match=r"train_dataset\(\) has 0 samples: nothing to train on "
+                                         r"\(training.global_batch_size=48 samples a step\)"):
+        GlobalSampleOrder(num_samples=0, global_batch_size=48, seed=0)
+
+
+@pytest.mark.parametrize(("num_samples", "global_batch_size"), [(5, 7), (5, 48), (40, 64)])
+def test_a_data_set_smaller_than_a_global_batch_warns_and_the_repeats_are_as_it_says(caplog, num_samples,
+                                                                                        global_batch_size):
+    with caplog.at_level("WARNING", logger="actors.data_order"):
+        order = GlobalSampleOrder(num_samples=num_samples, global_batch_size=global_batch_size, seed=0)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"has {num_samples} samples, fewer than training.global_batch_size={global_batch_size}" in warning
+    repeats = global_batch_size - num_samples
+    assert f"at least {repeats} of them repeat" in warning and f"at most {num_samples} for no sample" in warning
+    for step in range(_steps_for_epochs(order, 3)):
+        batch = step_indices(order, step)
+        assert len(batch) - len(batch.unique()) >= repeats
+
+
+def test_a_data_set_of_a_global_batch_or_more_does_not_warn(caplog):
+    with caplog.at_level("WARNING", logger="actors.data_order"):
+        GlobalSampleOrder(num_samples=48, global_batch_size=48, seed=0)
+    assert caplog.records == []

@@ -18,12 +18,14 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Subset
 
 from workloads.chargpt import GPT
-from workloads.tokens import DTYPES, TokenBlocks, stacked
+from workloads.token_checks import DTYPES, TokenFileError
+from workloads.tokens import TokenBlocks, stacked
 
 TOKENIZE_HINT = "make one with `raylastic tokenize DIR --stdlib` (or your own text files instead of --stdlib)"
 
@@ -112,7 +114,11 @@ class TokenGPT:
         if not path.is_file():
             raise ValueError(f"workload.options.data_dir={str(self.data_dir)!r} has no {name}; {TOKENIZE_HINT}")
         try:
-            return TokenBlocks(path, self.block_size, self.meta["dtype"])
+            return TokenBlocks(path, self.block_size, self.meta["dtype"], vocab_size=self.vocab_size)
+        except TokenFileError as error:
+            raise ValueError(f"workload.options.data_dir={str(self.data_dir)!r} holds a {name} that does not match "
+                             f"its meta.json (dtype {self.meta['dtype']}, vocab_size {self.vocab_size}): "
+                             f"{error}") from error
         except ValueError as error:
             raise ValueError(f"workload.options.block_size={self.block_size} does not fit "
                              f"workload.options.data_dir={str(self.data_dir)!r}: {error}") from error
@@ -142,6 +148,11 @@ def _read_meta(data_dir: Path) -> dict:
             and meta.get("dtype") in DTYPES):
         raise ValueError(f"workload.options.data_dir={str(data_dir)!r}: meta.json must hold a positive int "
                          f"vocab_size and a dtype in {', '.join(DTYPES)}, got {meta!r}")
+    ids = int(np.iinfo(DTYPES[meta["dtype"]]).max) + 1
+    if meta["vocab_size"] > ids:
+        raise ValueError(f"workload.options.data_dir={str(data_dir)!r}: meta.json's vocab_size {meta['vocab_size']} "
+                         f"does not fit its dtype {meta['dtype']} (ids below {ids}); token files of that vocabulary "
+                         "are uint32")
     return meta
 
 

@@ -10,6 +10,10 @@ Python standard library's source (every install has it, ~12 MB) and read it back
 ``TokenBlocks`` opens a fresh ``numpy.memmap`` for every fetch and drops it after copying the windows
 out, as nanoGPT's ``get_batch`` does: pages of a long-lived map stay in the process's resident set once
 touched, so one epoch over a large file would grow every DataLoader worker by the file's size.
+
+Given a vocabulary size, ``TokenBlocks`` checks its file against it and its dtype when it is made
+(workloads/token_checks.py) and checks every window it fetches, so no id at or above the vocabulary size
+ever reaches a model (on CUDA, an embedding would fail with a device-side assert).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import secrets
+import shutil
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,12 +32,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from workloads.token_checks import TokenFileError, check_token_file, numpy_dtype, out_of_vocabulary
+
 VOCAB_SIZE = 256  # the byte-level tokenizer: one token per byte
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 READ_CHUNK_BYTES = 8 << 20  # prepare_corpus reads, decodes and writes files in pieces of this size
 COPY_CHUNK_TOKENS = 8 << 20
 PROGRESS_MIN_BYTES = 32 << 20  # a progress bar for corpora from this size or this many files
 PROGRESS_MIN_FILES = 200  # (on a terminal's stderr only)
+TOKEN_DIR_FILES = ("train.bin", "val.bin", "meta.json")
 
 
 def encode_bytes(text: str) -> np.ndarray:
@@ -85,12 +93,16 @@ def stdlib_corpus_files() -> list[Path]:
 
 
 def prepare_corpus(files: Sequence[str | os.PathLike], out_dir: str | os.PathLike, val_fraction: float = 0.1,
-                   dtype: str = "uint16") -> dict:
+                   dtype: str = "uint16", *, overwrite: bool = False) -> dict:
     """Tokenize ``files`` (joined in order by a newline) into ``out_dir``'s train.bin, val.bin and meta.json.
 
     The files are read as UTF-8 (undecodable bytes become U+FFFD) and streamed in 8 MB pieces, so a
     corpus larger than memory works; val.bin holds the trailing ``val_fraction`` of the tokens. Returns
     what meta.json holds: ``vocab_size``, ``dtype``, ``tokenizer`` ("bytes"), ``train_tokens``, ``val_tokens``.
+
+    The three files are written into a new directory beside ``out_dir`` that is renamed into place once they
+    are complete, so an interruption leaves ``out_dir`` as it was. An existing, non-empty ``out_dir`` is
+    refused (ValueError) unless ``overwrite``; even then, only one that holds nothing but those three files.
 
     Example::
 
@@ -99,23 +111,61 @@ def prepare_corpus(files: Sequence[str | os.PathLike], out_dir: str | os.PathLik
     if not (isinstance(val_fraction, (int, float)) and not isinstance(val_fraction, bool)
             and 0.0 < val_fraction < 1.0):
         raise ValueError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
-    _numpy_dtype(dtype)
+    numpy_dtype(dtype)
     paths = [Path(f) for f in files]
     if not paths:
         raise ValueError("files is empty: give at least one text file")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    train_path, val_path = out / "train.bin", out / "val.bin"
-    partial = out / "tokens.bin.partial"  # train.bin/val.bin appear only once the corpus is complete
+    out = out.resolve() if out.is_symlink() else out  # the directory it names is the one replaced
+    _require_replaceable(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f"{out.name}.tokenizing-{secrets.token_hex(4)}")
+    staging.mkdir()
     try:
-        total = _write_concatenated(paths, partial, dtype)
-        val_tokens = int(total * val_fraction)
-        if val_tokens < 1 or total - val_tokens < 1:
-            raise ValueError(f"the files hold {total} tokens: too few to split with val_fraction={val_fraction}")
-        _move_tail(partial, val_path, total - val_tokens, dtype)
-        partial.replace(train_path)
+        meta = _write_token_dir(paths, staging, val_fraction, dtype)
+        _move_into_place(staging, out)
     finally:
-        partial.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # gone already once it is in place
+    return meta
+
+
+def _require_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuse to write over anything in ``out`` unless ``overwrite``, and over anything but a token directory."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory: give another output directory")
+    names = sorted(entry.name for entry in out.iterdir())
+    if names and not overwrite:
+        raise ValueError(f"{out} exists and holds {', '.join(names)}: give another output directory, or replace "
+                         "it with --force (overwrite=True)")
+    others = [name for name in names if name not in TOKEN_DIR_FILES]
+    if others:
+        raise ValueError(f"{out} holds {', '.join(others)}, which a token directory does not: it is not replaced, "
+                         f"even with --force (only one holding nothing but {', '.join(TOKEN_DIR_FILES)} is)")
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Rename the complete ``staging`` directory to ``out``; an old ``out`` is moved aside first, then deleted."""
+    if out.is_dir() and any(out.iterdir()):
+        aside = out.with_name(f"{out.name}.replaced-{secrets.token_hex(4)}")
+        out.rename(aside)
+        staging.rename(out)
+        shutil.rmtree(aside)
+    else:
+        staging.replace(out)  # onto a missing or empty directory
+
+
+def _write_token_dir(paths: list[Path], out: Path, val_fraction: float, dtype: str) -> dict:
+    """train.bin, val.bin and meta.json of ``paths`` in the (new, empty) directory ``out``; returns the meta."""
+    train_path, val_path = out / "train.bin", out / "val.bin"
+    partial = out / "tokens.bin.partial"
+    total = _write_concatenated(paths, partial, dtype)
+    val_tokens = int(total * val_fraction)
+    if val_tokens < 1 or total - val_tokens < 1:
+        raise ValueError(f"the files hold {total} tokens: too few to split with val_fraction={val_fraction}")
+    _move_tail(partial, val_path, total - val_tokens, dtype)
+    partial.replace(train_path)
     meta = {"vocab_size": VOCAB_SIZE, "dtype": dtype, "tokenizer": "bytes",
             "train_tokens": total - val_tokens, "val_tokens": val_tokens}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -147,7 +197,7 @@ def _write_concatenated(paths: list[Path], out_path: Path, dtype: str) -> int:
 
 def _move_tail(path: Path, tail_path: Path, start: int, dtype: str) -> None:
     """Move tokens ``[start, end)`` of ``path`` into ``tail_path`` (copied in pieces), then truncate ``path``."""
-    itemsize = np.dtype(_numpy_dtype(dtype)).itemsize
+    itemsize = np.dtype(numpy_dtype(dtype)).itemsize
     with open(path, "r+b") as src, open(tail_path, "wb") as dst:
         src.seek(start * itemsize)
         while piece := src.read(COPY_CHUNK_TOKENS * itemsize):
@@ -165,26 +215,37 @@ class TokenBlocks(Dataset):
     collate function: pair it with ``collate_fn=stacked``. Each fetch maps the file afresh and unmaps it,
     so resident memory does not grow with the file; pickling carries only the path, dtype and sizes.
 
+    With ``vocab_size``, a file that is not ``dtype`` ids below it raises TokenFileError when the blocks are made
+    (on the pieces workloads/token_checks.py reads) or, for an id found later, when its window is fetched.
+
     Example::
 
-        blocks = TokenBlocks("data/stdlib/train.bin", block_size=256)
+        blocks = TokenBlocks("data/stdlib/train.bin", block_size=256, vocab_size=256)
         loader = DataLoader(blocks, batch_size=64, shuffle=True, collate_fn=stacked, num_workers=2)
         inputs, targets = next(iter(loader))  # int64[64, 256] each
     """
 
-    def __init__(self, path: str | os.PathLike, block_size: int, dtype: str = "uint16"):
+    def __init__(self, path: str | os.PathLike, block_size: int, dtype: str = "uint16",
+                 vocab_size: int | None = None):
         if not (isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0):
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        largest = int(np.iinfo(numpy_dtype(dtype)).max)
+        if vocab_size is not None and not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
+                                           and 0 < vocab_size <= largest + 1):
+            raise ValueError(f"vocab_size must be a positive int of at most {largest + 1} for dtype {dtype} "
+                             f"(ids 0..{largest}), got {vocab_size!r}")
         self.path = os.fspath(path)
         self.block_size = block_size
         self.dtype = dtype
-        itemsize = np.dtype(_numpy_dtype(dtype)).itemsize
+        self.vocab_size = vocab_size
+        itemsize = np.dtype(numpy_dtype(dtype)).itemsize
         size = os.path.getsize(self.path)
         if size % itemsize:
-            raise ValueError(f"{self.path}: {size} bytes is not a whole number of {dtype} tokens (wrong dtype?)")
+            raise TokenFileError(f"{self.path}: {size} bytes is not a whole number of {dtype} tokens (wrong dtype?)")
         self.num_tokens = size // itemsize
         if len(self) == 0:
             raise ValueError(f"{self.path}: {self.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1}")
+        check_token_file(self.path, dtype, vocab_size)
 
     def __len__(self) -> int:
         return max(0, (self.num_tokens - 1) // self.block_size)
@@ -199,9 +260,13 @@ class TokenBlocks(Dataset):
         if rows.size and (rows.min() < -len(self) or rows.max() >= len(self)):
             raise IndexError(f"index out of range for {len(self)} blocks: {rows.min()}..{rows.max()}")
         rows = np.where(rows < 0, rows + len(self), rows)
-        tokens = np.memmap(self.path, dtype=_numpy_dtype(self.dtype), mode="r")  # fresh map: see module docstring
+        tokens = np.memmap(self.path, dtype=numpy_dtype(self.dtype), mode="r")  # fresh map: see module docstring
         windows = tokens[rows[:, None] * self.block_size + np.arange(self.block_size + 1)].astype(np.int64)
         del tokens  # unmaps the file: its touched pages leave the resident set
+        if self.vocab_size is not None and windows.size and windows.max() >= self.vocab_size:
+            row, column = np.argwhere(windows >= self.vocab_size)[0]
+            raise TokenFileError(out_of_vocabulary(self.path, self.dtype, self.vocab_size, int(windows[row, column]),
+                                                    int(rows[row]) * self.block_size + int(column)))
         return (torch.from_numpy(np.ascontiguousarray(windows[:, :-1])),
                 torch.from_numpy(np.ascontiguousarray(windows[:, 1:])))
 
@@ -228,14 +293,8 @@ def _append(out: BinaryIO, token_ids: np.ndarray, dtype: str) -> int:
 
 def _as_dtype(token_ids: Sequence[int] | np.ndarray, dtype: str) -> np.ndarray:
     ids = np.asarray(token_ids)
-    array = ids.astype(_numpy_dtype(dtype), copy=False)
+    array = ids.astype(numpy_dtype(dtype), copy=False)
     if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(array.dtype).max):
         raise ValueError(f"dtype={dtype!r}: token ids must lie in [0, {np.iinfo(array.dtype).max}], "
                          f"got [{ids.min()}, {ids.max()}]")
     return array
-
-
-def _numpy_dtype(dtype: str) -> type:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
