@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import ray
+from ray import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -43,6 +44,22 @@ def draining_nodes() -> dict[str, float | None]:
     them."""
     deadlines_ms = ray._private.state.state.get_draining_nodes()  # the GCS's view; no public API yet
     return {node_id: (deadline / 1000 if deadline else None) for node_id, deadline in deadlines_ms.items()}
+
+
+def remove_run_slots(run_name: str) -> list[str]:
+    """Remove the placement groups of run ``run_name`` that Ray still holds; their names.
+
+    The Controller releases its slots when it ends, but a killed one cannot, and Ray removes a placement group
+    only once both its creator actor and its job are gone: under a long-lived driver (a notebook) they would
+    stay. The driver calls this after its Controller has ended, however it ended."""
+    head = slot_name(run_name, 0).removesuffix("0")
+    removed = []
+    for group_id, info in placement_group_table().items():
+        name = info["name"]
+        if name.startswith(head) and name[len(head):].isdigit() and info["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
+            removed.append(name)
+    return removed
 
 
 class WorkerSlots:

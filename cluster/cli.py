@@ -17,6 +17,8 @@ import importlib
 import os
 import sys
 
+from cluster.import_path import use_import_path
+
 COMMAND_MODULES = ("cluster.train_command", "cluster.export_command", "cluster.status_command",
                    "cluster.tokenize_command", "cluster.plot_command", "tuning.cli")
 
@@ -30,11 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # A user's workload ("my_module:MyWorkload") is imported from where the command runs, as with
-    # `python -m cluster`; the `raylastic` script's sys.path[0] is its own bin directory instead.
-    # (The workers get the same directory on their PYTHONPATH: cluster/connect.py.)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    # A user's workload ("my_module:MyWorkload") is imported from where the command runs (the `raylastic`
+    # script's sys.path[0] is its own bin directory), after the standard library, as in the workers
+    # (cluster/import_path.py).
+    use_import_path([os.getcwd()])
     args = build_parser().parse_args(argv)
     return args.run(args)
 

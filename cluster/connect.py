@@ -21,16 +21,20 @@ from collections.abc import Iterator
 
 import ray
 
-from actors.warm_start import SETUP_HOOK
+from cluster.import_path import IMPORT_PATH_VARIABLE, SETUP_HOOK
 from jobconfig.naming import NAMESPACE
 
 
 def job_runtime_env(*paths: str) -> dict:
     """The runtime environment of a job this process starts: workers import user workloads
-    ("mypkg.model:Name") from ``paths`` (default: where the user ran the command), and every process
-    Ray starts for the job imports the training modules first (actors/warm_start.py)."""
-    pythonpath = os.pathsep.join(p for p in (*(paths or (os.getcwd(),)), os.environ.get("PYTHONPATH", "")) if p)
-    return {"env_vars": {"PYTHONPATH": pythonpath}, "worker_process_setup_hook": SETUP_HOOK}
+    ("mypkg.model:Name") from ``paths`` (default: where the user ran the command), placed after the
+    standard library (cluster/import_path.py), and every process Ray starts for the job imports the
+    training modules first (actors/warm_start.py). This process's PYTHONPATH goes with it, less ``paths``."""
+    directories = [os.path.abspath(path) for path in (paths or (os.getcwd(),))]
+    inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                 if entry and os.path.abspath(entry) not in directories]
+    return {"env_vars": {IMPORT_PATH_VARIABLE: os.pathsep.join(directories), "PYTHONPATH": os.pathsep.join(inherited)},
+            "worker_process_setup_hook": SETUP_HOOK}
 
 
 @contextlib.contextmanager

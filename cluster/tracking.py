@@ -12,7 +12,7 @@ One MLflow run per job, named after ``job.name``, in the experiment ``tracking.m
 - metrics: every step row's numbers (loss, lr, grad_norm, samples_per_s, world_size, ...) at its step, and every
   evaluation's (``eval_loss``, ``accuracy``, ...) at its step; at the end result.json's metrics as ``final_<name>``;
 - artifacts at the end: ``result.json``, ``model.pt`` (on success) and ``events.json`` (the run's events);
-- the status: FINISHED, FAILED, or KILLED (Ctrl-C, a Tune trial stopped).
+- the status: FINISHED, FAILED, or KILLED (stopped: Ctrl-C, SIGTERM, a Tune trial stopped).
 
 Where it goes. A URI with a scheme (``http://``, ``https://``, ``sqlite:///``, ``file:///``, ...) is MLflow's
 to resolve. A plain directory (``mlruns``, relative to the current directory) becomes a SQLite store inside
@@ -41,8 +41,10 @@ from urllib.request import pathname2url
 from actors.run_status import RunStatus
 from jobconfig import JobConfig, TrackingConfig
 
-RunEnd = Literal["finished", "failed", "killed"]
-"""How a job ended; MLflow's run status is the same word in capitals."""
+RunEnd = Literal["finished", "failed", "stopped"]
+"""How a job ended (result.json's status)."""
+MLFLOW_STATUS: dict[str, str] = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+"""MLflow's run status for each end: a run stopped from outside is KILLED there."""
 MISSING_MLFLOW = "tracking.mlflow_uri is set but mlflow is not installed: pip install 'raylastic[mlflow]'"
 BATCH_SIZE = 1000  # MLflow's limit on metrics per log_batch (and on entities per batch)
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch
@@ -93,11 +95,12 @@ class MlflowLog:
         self._guarded(self._log_metrics, metrics)
 
     def finish(self, status: RunEnd, model_path: Path | None, result_path: Path | None) -> None:
-        """Log result.json (its metrics as ``final_<name>``), model.pt and events.json; end the run as ``status``."""
+        """Log result.json (its metrics as ``final_<name>``), model.pt and events.json; end the run as ``status``
+        (MLFLOW_STATUS)."""
         self._guarded(self._log_outcome, model_path, result_path)
         if self.run_id is not None:  # ended even after a logging error, so the run does not stay RUNNING
             try:
-                self.client.set_terminated(self.run_id, status.upper())
+                self.client.set_terminated(self.run_id, MLFLOW_STATUS[status])
             except Exception as error:
                 if not self._failed:
                     self._warn(error)

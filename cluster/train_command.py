@@ -1,4 +1,7 @@
-"""``raylastic train``: run one job with live progress; exit 0 done, 1 run failed, 2 bad config."""
+"""``raylastic train``: run one job with live progress; exit 0 done, 1 run failed or stopped, 2 bad config.
+
+Ctrl-C or a SIGTERM (``ray job stop``) stops the run at the next step boundary; result.json then says "stopped".
+"""
 
 from __future__ import annotations
 
@@ -48,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
               f"{job.scaling.min_workers}-{job.scaling.max_workers} workers (run {job.name})", highlight=False)
     try:
         with ProgressDisplay(job.training.steps, console=out) as display:
-            result = train(job, run_dir=args.run_dir, address=args.address, on_progress=display.update)
+            result = train(job, run_dir=args.run_dir, address=args.address, on_progress=display.update,
+                           stop_on_sigterm=True)
     except (ValueError, RunFailed) as error:
         errors.print(f"[bold red]error:[/] {error}", highlight=False)
         return 2 if isinstance(error, ValueError) else 1

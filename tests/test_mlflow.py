@@ -90,8 +90,8 @@ def test_steps_evaluations_params_artifacts_and_status_reach_mlflow(tmp_path: Pa
         == events
 
 
-@pytest.mark.parametrize("status", ["failed", "killed"])
-def test_a_failed_or_interrupted_job_ends_its_run_so(tmp_path: Path, status: str) -> None:
+@pytest.mark.parametrize(("status", "mlflow_status"), [("failed", "FAILED"), ("stopped", "KILLED")])
+def test_a_failed_or_stopped_job_ends_its_run_so(tmp_path: Path, status: str, mlflow_status: str) -> None:
     config = job(f"tracking.mlflow_uri={tmp_path / 'mlruns'}", name="broken")
     log = MlflowLog(config.tracking, config, tmp_path)
     log.update(run_status([step_row(1)], events=[{"type": "worker_failed", "step": 2, "time_s": 0.1}]))
@@ -99,7 +99,7 @@ def test_a_failed_or_interrupted_job_ends_its_run_so(tmp_path: Path, status: str
 
     client = mlflow.MlflowClient(log.tracking_uri)
     run = only_run(client)
-    assert run.info.status == status.upper()
+    assert run.info.status == mlflow_status
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"result.json", "events.json"}
 
 
@@ -165,16 +165,10 @@ def test_a_training_run_logs_every_step_and_its_model(tmp_path: Path) -> None:
     assert loaded.keys() == written.keys() and all(torch.equal(loaded[k], written[k]) for k in written)
 
 
-def test_ctrl_c_ends_the_mlflow_run_as_killed_and_an_error_as_failed() -> None:
-    from cluster.job import RunFailed, _ended_as
+def test_a_stop_from_outside_ends_the_run_as_stopped_and_an_error_as_failed() -> None:
+    from cluster.job import RunFailed, RunStopped, _ended_as
 
-    try:
-        try:
-            raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            raise RunFailed("interrupted (Ctrl-C); workers were shut down") from None  # as _follow does
-    except RunFailed as error:
-        interrupted = error
-    assert _ended_as(interrupted) == "killed"
+    assert _ended_as(RunStopped("run stopped by the user at step 3 (Ctrl-C)")) == "stopped"  # as _follow raises it
+    assert _ended_as(KeyboardInterrupt()) == "stopped"  # Ctrl-C before the poll began
+    assert _ended_as(SystemExit(1)) == "stopped"  # a BaseException from outside, e.g. a Tune trial stopped
     assert _ended_as(RunFailed("worker 1 failed 4 times")) == "failed"
-    assert _ended_as(SystemExit(1)) == "killed"  # a BaseException from outside, e.g. a Tune trial stopped
