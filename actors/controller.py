@@ -19,9 +19,11 @@ import traceback
 
 import ray
 
+from actors.drains import Drains
 from actors.events import RunLog
 from actors.faults import FaultPlan
 from actors.group_status import GroupStatus, LostWorker
+from actors.membership import WorkersCannotStart
 from actors.news import Progress, take_in
 from actors.placement import ReservedBundles
 from actors.policies import (
@@ -38,11 +40,10 @@ from actors.policies import (
     Resize,
     ScalingPolicy,
     ScalingState,
+    StateLost,
     Verdict,
     choose_state_source,
     needs_checkpoint_lookup,
-    read_drain_notices,
-    stragglers_to_drain,
     workers_missing,
 )
 from actors.run_checkpoints import ForeignCheckpoint, RunCheckpoints
@@ -62,7 +63,7 @@ from actors.run_states import (
     Stopped,
     WaitingForWorkers,
 )
-from actors.run_status import RunResult, RunStatus
+from actors.run_status import RunFailed, RunResult, RunStatus
 from actors.share_book import ShareBook
 from actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
 from jobconfig import JobConfig
@@ -73,10 +74,6 @@ from strategies.peer_restore import plan_peer_restore
 
 WAIT_SLICE_S = 1.0
 """While waiting for workers, how long one wait lasts before a stop request is looked at again."""
-
-
-class RunFailed(RuntimeError):
-    """The run ended with an error; the message says what failed and where the last checkpoint is."""
 
 
 class Controller:
@@ -106,8 +103,7 @@ class Controller:
         """The newest step the run committed."""
         self.failures = 0
         self.stop_requested = False
-        self.pending_drains: dict[str, list[str]] = {}
-        """Draining nodes acted on -> their members, which leave at the next step boundary."""
+        self.drains = Drains(self.group, self.log)
         self.shares = ShareBook(job.training.global_batch_size, job.scaling.straggler_factor)
         self._actions = {Placing: self._place, Forming: self._form, Running: self._train, Resizing: self._resize,
                          Recovering: self._recover, WaitingForWorkers: self._wait_for_workers,
@@ -125,8 +121,8 @@ class Controller:
         if isinstance(self.state, Finished):
             return self.state.result
         if isinstance(self.state, Stopped):
-            raise RunFailed(f"run stopped by the user at step {self.step}{self._checkpoint_note()}")
-        raise RunFailed(self.state.reason)
+            raise RunFailed(f"run stopped by the user at step {self.step}{self.checkpoints.note()}")
+        raise RunFailed(self.state.reason, model_state=self.state.model_state)
 
     def advance(self) -> RunState:
         """One transition: act in the current state and move to the next. A stop request ends any stoppable
@@ -140,12 +136,15 @@ class Controller:
         except MembersFailed as failure:
             following = self._recovering_from(state, failure.lost)
         except MemberRaised as error:
-            following = Failed(self._with_checkpoint_note(str(error)))
+            following = Failed(self.checkpoints.with_note(str(error)))
         except ForeignCheckpoint as error:
             following = Failed(str(error))
+        except WorkersCannotStart as error:
+            self._log_start_failures()
+            following = Failed(self.checkpoints.with_note(str(error)))
         except Exception as error:  # a defect of ours: still a failed run with a reason, never a bare traceback
             following = Failed(f"the Controller failed at step {self.step} while {state.name}: "
-                               f"{type(error).__name__}: {error}{self._checkpoint_note()}\n{traceback.format_exc()}")
+                               f"{type(error).__name__}: {error}{self.checkpoints.note()}\n{traceback.format_exc()}")
         self.state = following
         return following
 
@@ -187,27 +186,34 @@ class Controller:
             self.log.event("worker_failed", self.step, worker=worker.name, reason=worker.reason)
         if workers_missing(min_workers=scaling.min_workers, num_workers=self.group.size):
             return Failed(self._too_few_workers("could be placed"))
-        return Forming(restore=self._resume_checkpoint())
+        resume = self.checkpoints.resume_point(at_step=self.step) if self.job.checkpoint.resume == "auto" else None
+        return Forming(restore=resume)
 
     def _form(self, state: Forming) -> RunState:
         """Every member joins generation g+1; the state is handed over or restored."""
         started, before = time.time(), self.step
         reports = self.group.form(run_step=self.step)
         member_steps = [report.step for report in reports]
-        plan = None if self.replicated else plan_peer_restore([report.shard_copy for report in reports])
+        plan = None if self.replicated else plan_peer_restore([report.shard_copies for report in reports])
         newest = None
         if needs_checkpoint_lookup(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
                                    run_step=self.step, peer_plan=plan):
             newest = self.checkpoints.newest(max_step=self.step, at_step=self.step)
         source = choose_state_source(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
-                                     peer_plan=plan, newest_checkpoint=newest)
+                                     run_step=self.step, peer_plan=plan, newest_checkpoint=newest)
+        if isinstance(source, StateLost):
+            return Failed(source.reason(self.job.strategy, self.job.checkpoint.every_steps) + self.checkpoints.note())
         if isinstance(source, FromPeers):
             self.group.call_all("restore_from_peers", [(source.plan,)] * self.group.size)
-            self.step, label = source.plan.step, "peers"
+            self.step, label = source.plan.step, "buddy" if source.plan.from_buddies else "peers"
         elif isinstance(source, FromCheckpoint):
             found = source.checkpoint
             self.checkpoints.require_same_job(found)
-            self.group.call_all("restore", [(found.path, found.manifest.step)] * self.group.size)
+            refused = self.group.call_all("restore", [(found.path, found.manifest.step)] * self.group.size)[0]
+            if refused is not None:  # its loaders found a file altered: form again from the next one
+                self.checkpoints.reject(found, refused, at_step=self.step)
+                restore = None if state.restore is None else self.checkpoints.newest(max_step=found.manifest.step)
+                return Forming(restore=restore, recovering_since=state.recovering_since)
             self.step, label = found.manifest.step, "checkpoint"
         elif isinstance(source, FromRank):
             self.step, label = member_steps[source.rank], source.rank
@@ -230,8 +236,9 @@ class Controller:
             progress = take_in(status, self.log, self.metrics, progress)
             self.step = progress.step
             self.shares.take_in(status)
-            self._act_on_drain_notices(status)
-            self._drain_stragglers(status)
+            self._log_start_failures()
+            self.drains.act_on_notices(status, step=self.step)
+            self.drains.drain_stragglers(status, step=self.step, min_workers=self.job.scaling.min_workers)
             verdict = self.judge.decide(status)
             if not isinstance(verdict, KeepTraining):
                 break
@@ -254,7 +261,7 @@ class Controller:
                 self.log.event("worker_failed", self.step, worker=name, reason="raised an error", traceback=error)
             name, error = verdict.errors[0]
             return Failed(f"{name} raised an error at step {self.step + 1} (not retried: it is the job's, not a lost "
-                          f"worker){self._checkpoint_note()}\n{error}")
+                          f"worker){self.checkpoints.note()}\n{error}")
         named = {worker.name for worker in verdict.lost}  # a lost node takes several workers: every death heard
         also_dead = [LostWorker(m.name, m.dead, rank) for rank, m in enumerate(final.members)
                      if m.dead and m.name not in named]
@@ -277,26 +284,6 @@ class Controller:
             return True
         return False
 
-    def _act_on_drain_notices(self, status: GroupStatus) -> None:
-        """Members on a node Ray drains leave at the next step boundary (and are replaced elsewhere); a drain
-        called off before the boundary keeps them."""
-        notices = read_drain_notices(status, set(self.pending_drains))
-        for node, deadline in notices.new.items():
-            workers = self.group.drain(node_id=node, replace=True)
-            self.pending_drains[node] = workers
-            self.log.event("node_draining", self.step, node_id=node, workers=workers,
-                           deadline_s=None if deadline is None else round(deadline - time.time(), 1))
-        for node in notices.called_off:
-            self.group.undrain(node_id=node)
-            del self.pending_drains[node]
-            self.log.event("node_drain_cancelled", self.step, node_id=node)
-
-    def _drain_stragglers(self, status: GroupStatus) -> None:
-        """A rank that reported itself a straggler leaves at the next step boundary, if min_workers allows."""
-        for rank in stragglers_to_drain(status, min_workers=self.job.scaling.min_workers,
-                                        num_leaving=self.group.num_leaving):
-            self.log.event("worker_draining", self.step, workers=self.group.drain(rank=rank), reason="straggler")
-
     def _resize(self, state: Resizing) -> RunState:
         """At a step boundary: drained workers leave, ready joiners come in. Sharded state the leavers hold is
         saved by the old group first and loaded, resharded, by the new one; with nobody leaving, every shard
@@ -306,11 +293,7 @@ class Controller:
             path = self.group.call_all("save_checkpoint")[0]
             self.log.event("checkpointed", self.step, path=path, reason="membership change")
             restore = Checkpoint(path, read_manifest(path))
-        for name, node in self.group.remove_drained().items():
-            self.log.event("worker_left", self.step, worker=name, node_id=node, reason="drained")
-        for node, workers in self.pending_drains.items():
-            self.log.event("drained", self.step, node_id=node, workers=workers, steps_lost=0)
-        self.pending_drains = {}
+        self.drains.left(step=self.step)
         self._admit_joiners()
         missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
         if missing:
@@ -330,7 +313,7 @@ class Controller:
         decision = self.failure_policy.decide(self.failures)
         if isinstance(decision, Raise):
             last = "; ".join(worker.describe() for worker in state.lost)
-            return Failed(f"{decision.reason}; last failure: {last}{self._checkpoint_note()}")
+            return Failed(f"{decision.reason}; last failure: {last}{self.checkpoints.note()}")
         restore = state.restore
         self._take_spares(reason="failure")
         self._admit_joiners()
@@ -356,18 +339,22 @@ class Controller:
         return state
 
     def _finish(self, state: Finishing) -> RunState:
-        """Evaluate, gather the full model and write the final checkpoint (collective on every member)."""
-        metrics = self.group.call_all("evaluate")[0]
-        if self.job.eval.every_steps:  # the curve of eval rows ends with the final metrics
-            self.log.add_evaluation(self.step, time.time(), metrics)
+        """Write the final checkpoint, gather the full model, evaluate (collectives on every member), in that order:
+        what comes first is kept when what comes after fails."""
+        path = self.group.call_all("save_checkpoint")[0]
+        if not any(e.type == "checkpointed" and e.step == self.step for e in self.log.events()):
+            self.log.event("checkpointed", self.step, path=path, reason="end of run")  # else the loop's save, reported
         if self.replicated:  # every rank holds it all: one copy, from rank 0, with no collective
             model_state = self.group.call_one(0, "full_state_dict")
         else:
             model_state = self.group.call_all("full_state_dict", [(rank == 0,) for rank in range(self.group.size)])[0]
+        try:
+            metrics = self.group.call_all("evaluate")[0]
+        except MemberRaised as error:
+            return Failed(self.checkpoints.with_note(str(error)), model_state=model_state)  # the model.pt is kept
+        if self.job.eval.every_steps:  # the curve of eval rows ends with the final metrics
+            self.log.add_evaluation(self.step, time.time(), metrics)
         memory = self.group.call_all("memory")
-        path = self.group.call_all("save_checkpoint")[0]
-        if not any(e.type == "checkpointed" and e.step == self.step for e in self.log.events()):
-            self.log.event("checkpointed", self.step, path=path, reason="end of run")  # else the loop's save, reported
         history = self.log.history()
         metrics = {**({"loss": history[-1]["loss"]} if history else {}), **metrics}  # none when resumed at the end
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})
@@ -387,28 +374,19 @@ class Controller:
     def _admit_joiners(self) -> None:
         for name, warm in self.group.admit_ready_joiners().items():
             self.log.event("worker_joined", self.step, worker=name, warm_process=warm)
+        self._log_start_failures()
 
-    def _resume_checkpoint(self) -> Checkpoint | None:
-        found = self.checkpoints.newest(at_step=self.step) if self.job.checkpoint.resume == "auto" else None
-        if found is not None:
-            self.checkpoints.require_same_job(found)
-            self.log.event("resumed", found.manifest.step, path=found.path, saved_world_size=found.manifest.world_size,
-                           saved_strategy=found.manifest.strategy)
-        return found
+    def _log_start_failures(self) -> None:
+        for failure in self.group.take_start_failures():
+            self.log.event("worker_start_failed", self.step, worker=failure.worker, node_id=failure.node_id,
+                           error=failure.error)
 
     def _too_few_workers(self, what: str) -> str:
         scaling = self.job.scaling
         return (f"only {self.group.size} of scaling.min_workers={scaling.min_workers} workers {what} within "
                 f"scaling.placement_timeout_s={scaling.placement_timeout_s}s {self.group.capacity_note()}"
-                f"{self._checkpoint_note()}")
+                f"{self.checkpoints.note()}")
 
-    def _with_checkpoint_note(self, message: str) -> str:
-        """``message``'s first line, the checkpoint note, then the rest (a traceback)."""
-        first, _, rest = message.partition("\n")
-        return f"{first}{self._checkpoint_note()}" + (f"\n{rest}" if rest else "")
-
-    def _checkpoint_note(self) -> str:
-        return self.checkpoints.note()
 
 
 ControllerActor = ray.remote(num_cpus=0, max_concurrency=8)(Controller)

@@ -8,6 +8,8 @@ replacement, so it ends the run at once with its traceback.
 
 from __future__ import annotations
 
+import re
+
 import torch.distributed as dist
 
 PEER_LOSS_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "ProcessGroupNCCL",
@@ -25,3 +27,8 @@ def is_peer_loss(error: BaseException) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def plain_error(error: BaseException) -> str:
+    """``error`` as text without the terminal colour codes Ray puts in the errors it relays."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", str(error))

@@ -86,7 +86,8 @@ class StatusMailbox:
 
     @contextlib.contextmanager
     def step_in_flight(self) -> Iterator[None]:
-        """Around one step: ``poll`` reports how long it has been running (``step_running_s``)."""
+        """Around one step, or the work at its boundary (a save): ``poll`` reports how long it has been running
+        (``step_running_s``), which the hang watchdog (failure.max_step_s) bounds."""
         self._step_started = time.monotonic()
         try:
             yield

@@ -14,10 +14,25 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from actors.failures import plain_error
 from actors.placement import ReservedSlots, WorkerSlots
 from actors.warm_start import WarmProcesses
 from actors.worker import TrainWorkerActor, WorkerSpec
 from jobconfig.naming import worker_name
+
+
+@dataclass(frozen=True)
+class StartFailure:
+    """A new worker whose actor could not be constructed (its workload, CUDA, an import failed where it was
+    placed)."""
+
+    worker: str
+    node_id: str
+    error: str
+
+
+class WorkersCannotStart(RuntimeError):
+    """failure.max_start_failures new workers in a row could not be constructed: the run cannot grow back."""
 
 
 @dataclass
@@ -36,8 +51,12 @@ class Member:
 
 class Membership:
     def __init__(self, *, run_name: str, spec: WorkerSpec, slots: WorkerSlots | ReservedSlots, cpus: float, gpus: int,
-                 resources: dict[str, float], warm: WarmProcesses | None = None) -> None:
+                 resources: dict[str, float], warm: WarmProcesses | None = None, max_start_failures: int = 3) -> None:
         self.run_name = run_name
+        self.max_start_failures = max_start_failures
+        self.start_failures: list[StartFailure] = []
+        """New workers that could not be constructed, not yet reported (``take_start_failures``)."""
+        self._failed_starts_in_a_row = 0
         self.spec = spec
         self.slots = slots
         self.warm = warm
@@ -108,7 +127,8 @@ class Membership:
 
     def _constructed(self, starting: list[Member]) -> list[Member]:
         """Of ``starting`` (joiners or spares), those constructed; one that died is dropped from the list and
-        its slot asked for again."""
+        its slot asked for again. Raises WorkersCannotStart when failure.max_start_failures in a row could not
+        be constructed."""
         if not starting:
             return []
         ready, _ = ray.wait([m.ready for m in starting], num_returns=len(starting), timeout=0)
@@ -117,13 +137,30 @@ class Membership:
             try:
                 member.warm = ray.get(member.ready).warm(member.requested_at)
                 constructed.append(member)
-            except RayActorError:
+                self._failed_starts_in_a_row = 0
+            except RayActorError as error:
                 starting.remove(member)
+                if error.actor_init_failed:
+                    self._start_failed(member, error)
                 self.remove(member, replace=True)
         self.top_up([m for m in constructed if not m.constructed])
         for member in constructed:
             member.constructed = True
         return constructed
+
+    def _start_failed(self, member: Member, error: RayActorError) -> None:
+        failure = StartFailure(member.name, self.slots.node_of(member.slot), plain_error(error))
+        self.start_failures.append(failure)
+        self._failed_starts_in_a_row += 1
+        if self._failed_starts_in_a_row >= self.max_start_failures:
+            raise WorkersCannotStart(f"{self._failed_starts_in_a_row} new workers in a row could not start "
+                                     f"(failure.max_start_failures={self.max_start_failures}); the last, "
+                                     f"{failure.worker} on node {failure.node_id}: {failure.error}")
+
+    def take_start_failures(self) -> list[StartFailure]:
+        """The start failures since the last call."""
+        taken, self.start_failures = self.start_failures, []
+        return taken
 
     def wait_for_joiners(self, timeout_s: float) -> list[Member]:
         if self.joining:

@@ -7,7 +7,7 @@ Every decision of a run is taken here, from a snapshot:
 - ``GenerationJudge``: from a ``GroupStatus`` poll, whether the generation trains on, finished, stopped
   at a boundary, lost workers (dead, silent, hung, blamed for their peers' errors) or hit a job error;
 - ``choose_state_source``: where a new generation's state comes from (a checkpoint, the most advanced
-  member, the shards kept in the members' memory, or the seed);
+  member, the shards kept in the members' memory, the seed at step 0), or that it is lost;
 - ``workers_missing``: whether the run must wait for workers before it can form again;
 - ``read_drain_notices``: which draining nodes' workers leave at the next step boundary, and which drains
   were called off.
@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.group_status import DONE_PHASES, GroupStatus, LostWorker
+from jobconfig import StrategyConfig
 from strategies.checkpoint import Checkpoint
 from strategies.peer_restore import PeerRestorePlan
 
@@ -248,10 +249,30 @@ class FromPeers:
 
 @dataclass(frozen=True)
 class FromSeed:
-    """Sharded state built afresh on every rank from the seed: step 0."""
+    """A fresh start: every rank builds the state from the seed (step 0)."""
 
 
-StateSource = FromCheckpoint | FromRank | FromPeers | FromSeed
+@dataclass(frozen=True)
+class StateLost:
+    """Sharded state of a step past 0 that no member holds whole and no checkpoint has: the run must end,
+    not start over from step 0 unasked."""
+
+    step: int
+    """The step the run had committed."""
+
+    def reason(self, strategy: StrategyConfig, checkpoint_every_steps: int) -> str:
+        """Why the run cannot go on, naming the settings that decided it."""
+        if strategy.replicas > 1:
+            copies = f"every copy of a shard (strategy.replicas={strategy.replicas}) was lost"
+        elif strategy.buddy_copy:
+            copies = "a worker and its buddy, which held the copy of its shard (strategy.buddy_copy), were lost"
+        else:
+            copies = "a worker's shard existed nowhere else (strategy.buddy_copy=false, strategy.replicas=1)"
+        return (f"the sharded state of step {self.step} is lost: {copies}, and no intact checkpoint holds it "
+                f"(checkpoint.every_steps={checkpoint_every_steps}); the run ends rather than start over from step 0")
+
+
+StateSource = FromCheckpoint | FromRank | FromPeers | FromSeed | StateLost
 
 
 def needs_checkpoint_lookup(*, replicated: bool, pending: Checkpoint | None, member_steps: list[int], run_step: int,
@@ -266,21 +287,25 @@ def needs_checkpoint_lookup(*, replicated: bool, pending: Checkpoint | None, mem
 
 
 def choose_state_source(*, replicated: bool, pending: Checkpoint | None, member_steps: list[int],
-                        peer_plan: PeerRestorePlan | None = None,
+                        run_step: int, peer_plan: PeerRestorePlan | None = None,
                         newest_checkpoint: Checkpoint | None = None) -> StateSource:
     """Where generation g's state comes from.
 
     ``peer_plan``: sharded state every shard of which survives in the members' memory; it wins unless
     ``pending`` (the checkpoint this generation was asked to load: a resume, a sharded resize) is newer.
-    Otherwise a replicated run keeps its most advanced member's state and a sharded one starts afresh -
-    unless ``newest_checkpoint`` (looked up when ``needs_checkpoint_lookup``) is newer.
+    Otherwise a replicated run keeps its most advanced member's state, and a sharded one loads
+    ``newest_checkpoint`` (looked up when ``needs_checkpoint_lookup``; a replicated run too when it is
+    newer). A sharded run past step 0 with neither has lost its state (``run_step``: the step it had
+    committed).
     """
     if peer_plan is not None and (pending is None or peer_plan.step >= pending.manifest.step):
         return FromPeers(peer_plan)
     if pending is not None:
         return FromCheckpoint(pending)
     if not replicated:
-        return FromSeed() if newest_checkpoint is None else FromCheckpoint(newest_checkpoint)
+        if newest_checkpoint is not None:
+            return FromCheckpoint(newest_checkpoint)
+        return StateLost(run_step) if run_step > 0 else FromSeed()
     best = max(range(len(member_steps)), key=lambda rank: member_steps[rank])
     if newest_checkpoint is not None and newest_checkpoint.manifest.step > member_steps[best]:
         return FromCheckpoint(newest_checkpoint)

@@ -85,7 +85,7 @@ class WaitingForWorkers:
 
 @dataclass(frozen=True)
 class Finishing:
-    """The final evaluation, the full model and the final checkpoint."""
+    """The final checkpoint, the full model and the final evaluation, in that order."""
 
     name: ClassVar[str] = "finishing"
 
@@ -101,6 +101,8 @@ class Finished:
 class Failed:
     name: ClassVar[str] = "failed"
     reason: str
+    model_state: Any = field(default=None, repr=False)
+    """The full model, where it was gathered before the run failed (a failed final evaluation)."""
 
 
 @dataclass(frozen=True)

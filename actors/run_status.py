@@ -15,6 +15,7 @@ from typing import Any, Literal
 EventType = Literal[
     "worker_failed",          # died, hung, or raised (``traceback``); ``reason``
     "worker_joined",          # a joiner came in at a step boundary; ``warm_process``: built in a process started ahead
+    "worker_start_failed",    # a new worker could not be constructed; ``worker``, ``node_id``, ``error``
     "worker_left",            # a drained worker left at a step boundary
     "spares_taken",           # idle spares come in at the next boundary; ``workers``, ``reason``
     "node_draining",          # Ray drains a node of the run (a preemption notice); ``deadline_s``, ``workers``
@@ -26,7 +27,8 @@ EventType = Literal[
     "resumed",                # the run started from a checkpoint; ``path``, ``saved_world_size``, ``saved_strategy``
     "checkpointed",           # ``path``, ``duration_s`` or ``reason``
     "checkpoint_failed",      # a periodic save failed and the run carried on; ``path``, ``error``
-    "checkpoint_rejected",    # a checkpoint failed verification and was skipped; ``path``, ``reason``
+    "checkpoint_rejected",    # a checkpoint failed verification (its sizes on the head, its checksums on the ranks
+                              # that load it) and was skipped; ``path``, ``reason``
     "compiled",               # torch.compile's first step of a generation; ``first_step_s``
     "shares_changed",         # the batch split follows the ranks' speeds from the next step; ``shares``, ``rates``
     "straggler",              # a rank slower than straggler_factor, persistently; ``rank``, ``node_id``,
@@ -86,3 +88,12 @@ class RunResult:
     """training.record_samples: every application of every step (``RunLog.ledger`` has its shape)."""
     eval_history: list[dict[str, Any]] | None = None
     """The periodic evaluations (eval.every_steps): ``{"step", "time_s", metrics...}`` each."""
+
+
+class RunFailed(RuntimeError):
+    """The run ended with an error; the message says what failed and where the last checkpoint is."""
+
+    def __init__(self, message: str, model_state: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.model_state = model_state
+        """The full model, where the run gathered it before it failed (its final evaluation failed)."""

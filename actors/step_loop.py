@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -128,11 +128,12 @@ class StepRunner:
                                pin_memory=self.device.type == "cuda")
 
     def run(self, state: TrainState, step_index: int, batches: Iterator[Any] | None = None,
-            throttle: float = 1.0) -> StepResult:
+            throttle: float = 1.0, before_reduction: Callable[[], None] | None = None) -> StepResult:
         """Train on step ``step_index`` (0-based), its micro-batches taken from ``batches`` (this rank's,
         in order: ``self.batches``; None: fetched from ``self.dataset`` now), and commit it; collectives fail
         if a peer is lost. ``throttle`` > 1 makes this rank's compute take that many times as long (a test's
-        or demo's slow rank: faults ``throttle``)."""
+        or demo's slow rank: faults ``throttle``). ``before_reduction`` is called before the backward that
+        reduces the gradients: what every rank must have done before any rank can commit this step."""
         started = time.perf_counter()
         if self.clock is not None:
             self.clock.start()
@@ -164,6 +165,8 @@ class StepRunner:
             samples_loss = loss.float() * samples
             loss_sum = samples_loss.detach() if loss_sum is None else loss_sum + samples_loss.detach()
             scaled = samples_loss * weight
+            if last and before_reduction is not None:
+                before_reduction()
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         backward_returned = time.perf_counter()
         compute_s = self.clock.compute_s(backward_returned - started) if self.clock else backward_returned - started

@@ -1,7 +1,9 @@
 """A worker's step loop, in a thread of its own so that the actor keeps answering ``poll`` while it trains.
 
 Each step: the injected faults of the step, a stop vote when one is due, the step itself, its
-result to the status mailbox, the profiler, a periodic save and a periodic evaluation. With
+result to the status mailbox, the buddy copy of the sharded state (strategies/buddy_copy.py), the
+profiler, a periodic save and a periodic evaluation. The hang watchdog (failure.max_step_s) sees the
+step and the work at its boundary, a save included. With
 ``balance`` on, each vote also hands every rank's compute rate to every rank, and the batch split
 follows them (actors/balance.py): a new split takes effect at the step after the vote, on every rank.
 The loop ends at ``until_step`` ("finished"), after a stop vote ("stopped") or on an error ("failed",
@@ -40,6 +42,7 @@ from actors.step_loop import StepRunner
 from actors.stop_vote import StopVote
 from jobconfig import DataConfig, EvalConfig, TrainingConfig
 from strategies.base import TrainState
+from strategies.buddy_copy import BuddyCopies
 from strategies.process_group import abort_group
 
 LOOP_EXIT_GRACE_S = 5.0
@@ -96,12 +99,14 @@ class TrainingLoop:
         self._thread: threading.Thread | None = None
         self._profiled = False
 
-    def start(self, state: TrainState, until_step: int, injector: FaultInjector) -> None:
-        """Start the thread; it trains ``state`` until ``until_step``, a stop vote, or an error."""
+    def start(self, state: TrainState, until_step: int, injector: FaultInjector,
+              copies: BuddyCopies | None = None) -> None:
+        """Start the thread; it trains ``state`` until ``until_step``, a stop vote, or an error. ``copies``: the
+        generation's buddy exchange of the sharded state (one each step)."""
         self.wait(timeout_s=0.0)
         self.status.set_phase("training")
-        self._thread = threading.Thread(target=self._run, args=(state, until_step, injector), name="step-loop",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(state, until_step, injector, copies),
+                                        name="step-loop", daemon=True)
         self._thread.start()
 
     def request_stop(self) -> None:
@@ -130,21 +135,25 @@ class TrainingLoop:
                                          f"asked to end (phase {self.status.phase}, step {self.status.step})")
             self._thread = None
 
-    def _run(self, state: TrainState, until_step: int, injector: FaultInjector) -> None:
+    def _run(self, state: TrainState, until_step: int, injector: FaultInjector, copies: BuddyCopies | None) -> None:
         try:
             with self._profiler() as profiler:
-                self._steps(state, until_step, injector, profiler)
+                self._steps(state, until_step, injector, profiler, copies)
         except BaseException as error:  # noqa: BLE001 - any failure is reported (DCP's errors are BaseExceptions)
             cause = "peer_lost" if is_peer_loss(error) else "job"
             self.status.set_phase("failed", f"{type(error).__name__}: {error}\n{traceback.format_exc()}", cause)
 
-    def _steps(self, state: TrainState, until_step: int, injector: FaultInjector, profiler: Any) -> None:
+    def _steps(self, state: TrainState, until_step: int, injector: FaultInjector, profiler: Any,
+               copies: BuddyCopies | None) -> None:
         status, compiling = self.status, self.training.compile
+        strategy, scaler = self.runner.strategy, self.runner.scaler
         balancer = (Balancer(self.runner.current_split(), self.balance.straggler_factor)
                     if self.balance.enabled and dist.get_world_size() > 1 else None)
         vote = StopVote(first_step=status.step, device=self.device, share_rates=balancer is not None)
         meter = RateMeter()
         batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
+        if copies is not None:
+            copies.start(strategy, state, scaler, status.step)  # the state this generation starts from
         while status.step < until_step:
             injector.before_step(status.step + 1)
             step_index = status.step
@@ -152,20 +161,24 @@ class TrainingLoop:
             if voting:
                 vote.open(step_index, stop=self._stop_requested.is_set(), rate=meter.take())
             with status.step_in_flight():
-                result = self.runner.run(state, step_index, batches, throttle=injector.throttle_factor(step_index + 1))
+                result = self.runner.run(state, step_index, batches, throttle=injector.throttle_factor(step_index + 1),
+                                         before_reduction=copies.finish if copies is not None else None)
             meter.add(result.samples, result.compute_s)
             # torch.compile compiles lazily, in the generation's first step
             status.commit(result, Event("compiled", result.step, details={"first_step_s": round(result.duration_s, 3)})
                           if compiling else None)
             compiling = False
-            # Only now: the optimizer has stepped, so a vote that fails (a peer lost since its gradients
-            # arrived) must find the step counted, or the next generation would train this step again.
-            stop = vote.close(step_index) if voting else False
-            if voting and balancer is not None and self._rebalance(balancer, vote.rates):
-                batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
-            if profiler is not None:
-                profiler.step()
-            self.saver.after_step(status.step)
+            with status.step_in_flight():  # the hang watchdog sees the boundary's work too (a save on a dead mount)
+                if copies is not None:
+                    copies.start(strategy, state, scaler, status.step)
+                # Only now: the optimizer has stepped, so a vote that fails (a peer lost since its gradients
+                # arrived) must find the step counted, or the next generation would train this step again.
+                stop = vote.close(step_index) if voting else False
+                if voting and balancer is not None and self._rebalance(balancer, vote.rates):
+                    batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
+                if profiler is not None:
+                    profiler.step()
+                self.saver.after_step(status.step)
             if self.eval.every_steps and status.step % self.eval.every_steps == 0 and status.step < self.training.steps:
                 self._evaluate_periodically(state)  # every rank reaches this step: the last one is _finish's
             if stop:

@@ -7,7 +7,7 @@ Training runs in a thread so the actor keeps answering ``poll`` while it trains.
 
 Lifecycle (each call from the Controller, on every member together)::
 
-    worker.join(assignment)            -> JoinReport(step=committed steps, ..., shard_copy=what it kept)
+    worker.join(assignment)            -> JoinReport(step=committed steps, ..., shard_copies=what it kept)
     worker.sync_state(source_rank)     replicated state: the most advanced rank's goes to all
     worker.restore_from_peers(plan)    sharded state: from the shards the members kept (strategies/peer_restore.py)
     worker.restore(path | None)        sharded state: from a checkpoint (None: a fresh start)
@@ -27,6 +27,7 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import ray
 import torch
@@ -57,11 +58,13 @@ from jobconfig import (
 )
 from strategies import build_strategy
 from strategies.base import GroupContext, TrainState, init_optimizer_state, load_scaler, memory_breakdown
-from strategies.checkpoint import Checkpointer, load_into
+from strategies.buddy_copy import BuddyCopies
+from strategies.checkpoint import Checkpointer, load_into, verify_for_load
 from strategies.emulated_link import EmulatedLink
 from strategies.peer_restore import PeerRestorePlan, ShardCopy
 from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group
 from strategies.shard_copy import KeptShards, gather_shards, keep_shards, load_full_state
+from strategies.shard_layout import effective_replicas
 from workloads import load_workload
 
 __all__ = ["JoinReport", "TrainWorker", "TrainWorkerActor", "TrainingThreadHung", "WorkerSpec", "WorkerStatus"]
@@ -107,9 +110,9 @@ class JoinReport:
     step: int
     """Committed optimizer steps this worker holds (its candidate state for the hand-over). A worker whose
     state a hand-over left half-received has rebuilt it from the seed: 0."""
-    shard_copy: ShardCopy | None = None
-    """Sharded strategies: the shard of an earlier generation's state this worker keeps in memory, for
-    ``plan_peer_restore``; None when it keeps none (a new worker, a replicated strategy, step 0)."""
+    shard_copies: tuple[ShardCopy, ...] = ()
+    """Sharded strategies: the shards of an earlier generation's state this worker keeps in memory (its own,
+    and its buddy's), for ``plan_peer_restore``; none for a new worker, a replicated strategy, at step 0."""
 
 
 class TrainWorker:
@@ -151,8 +154,10 @@ class TrainWorker:
         self._state_intact = True
         """False while (and after) a hand-over into this worker's state is incomplete."""
         self._generation: int | None = None
-        self._kept: KeptShards | None = None
-        """Sharded strategies: this worker's CPU copy of its shard of an earlier generation's state."""
+        self._kept: list[KeptShards] = []
+        """Sharded strategies: this worker's CPU copies of shards of an earlier generation's state."""
+        self.copies: BuddyCopies | None = None
+        """Sharded strategies with one copy of the state: this generation's buddy exchange."""
         self._holds_run_state = False
         """Sharded strategies: the live state is the run's (restored, or trained), so the next join keeps it."""
         # The first optimizer (and DDP) imports torch._dynamo (~0.25 s on top of our modules): pay it here, not in
@@ -163,6 +168,10 @@ class TrainWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def alive(self) -> bool:
+        """Answers while another call runs: the Controller's liveness ping."""
+        return True
+
     def process_start(self) -> ProcessStart:
         return ProcessStart.of_this_process()
 
@@ -171,8 +180,11 @@ class TrainWorker:
         keeps its model and optimizer; a sharded one builds them afresh for the new group."""
         self.loop.leave(collective_timeout_s=assignment.timeout_s)
         self.saver.detach()
+        if self.copies is not None:
+            self.copies.close()
         self.status.drop_results()  # step results the Controller did not take before the last generation ended
         self._keep_shards()
+        self.copies = None
         keep = self.strategy.replicated and self.state is not None and self._state_intact
         previous = self.state.kept_across_groups() if keep else None
         if self.strategy.replicated and not self._state_intact:  # rebuilt from the seed below: a valid step-0 state
@@ -181,7 +193,9 @@ class TrainWorker:
         gc.collect()  # the old DDP's reducer, its autograd hooks and its hold on the old group must be gone
         join_group(assignment, self.backend)
         self._generation = assignment.generation
-        self.checkpoint_group = dist.new_group(backend="gloo")  # async saves must not share the training group
+        timeout = timedelta(seconds=assignment.timeout_s)
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)  # async saves: not the training group
+        copies_group = dist.new_group(backend="gloo", timeout=timeout) if self._keeps_buddy_copies(assignment) else None
         node_ids: list[str] = [""] * assignment.world_size
         dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id(), group=self.checkpoint_group)
         context = GroupContext(node_ids=tuple(node_ids), completed_steps=assignment.run_step)
@@ -192,24 +206,39 @@ class TrainWorker:
             self.state.wrapped = torch.compile(self.state.wrapped)
         self.runner.clock.attach(self.state.model)
         self.saver.attach(self.state, self.checkpoint_group)
+        if copies_group is not None:
+            self.copies = BuddyCopies(group=copies_group, layout=self.state.layout, generation=assignment.generation,
+                                      timeout_s=assignment.timeout_s, pin_memory=self.device.type == "cuda")
         if previous is None and not self.strategy.replicated:
             self.status.step = 0
         self.status.set_phase("idle")
         self.loop.forget_stop_request()
         return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.status.step,
-                          shard_copy=self._kept.copy if self._kept is not None else None)
+                          shard_copies=tuple(kept.copy for kept in self._kept))
+
+    def _keeps_buddy_copies(self, assignment: GroupAssignment) -> bool:
+        """Whether this generation's sharded state exists once (one copy: strategy.replicas 1, or a world size it
+        does not divide), so each rank's shard is also sent to its buddy after every step."""
+        strategy = self.spec.strategy
+        return (not self.strategy.replicated and strategy.buddy_copy and assignment.world_size > 1
+                and effective_replicas(strategy.replicas, assignment.world_size) == 1)
 
     def _keep_shards(self) -> None:
-        """Sharded strategies, before the state goes: keep this rank's shard of it in CPU memory. A state that is
-        not the run's (a join, then no restore) leaves the copy made before it, which is still the run's."""
+        """Sharded strategies, before the state goes: keep this rank's shard of it in CPU memory, with the copies
+        its buddy exchange holds. A state that is not the run's (a join, then no restore) leaves the copies made
+        before it, which are still the run's."""
         if self.strategy.replicated or self.state is None or not self._holds_run_state:
             return
-        self._kept, self._holds_run_state = None, False  # an older copy goes before the new one is made
-        try:
-            self._kept = keep_shards(self.strategy, self.state, self.runner.scaler, generation=self._generation,
-                                     step=self.status.step)
-        except Exception:  # noqa: BLE001 - a copy spares a checkpoint load; failing to make one must not end the run
-            logger.warning("no copy of this rank's shard is kept for the next generation", exc_info=True)
+        self._holds_run_state = False
+        kept = self.copies.kept() if self.copies is not None else []
+        if not any(k.copy.holder == "own" and k.copy.step == self.status.step for k in kept):
+            try:
+                live = keep_shards(self.strategy, self.state, self.runner.scaler, generation=self._generation,
+                                   step=self.status.step)
+                kept += [live] if live is not None else []
+            except Exception:  # noqa: BLE001 - a copy spares a checkpoint load; failing to make one must not end the run
+                logger.warning("no copy of this rank's shard is kept for the next generation", exc_info=True)
+        self._kept = kept
 
     def sync_state(self, source_rank: int) -> int:
         """Replicated strategies: receive (or send, on ``source_rank``) model, optimizer and step (the strategy's
@@ -223,9 +252,14 @@ class TrainWorker:
         self._state_intact = True
         return self.status.step
 
-    def restore(self, path: str | None, step: int) -> int:
-        """Collective: load checkpoint ``path`` (saved at ``step``) resharded to this group."""
+    def restore(self, path: str | None, step: int) -> str | None:
+        """Collective: load checkpoint ``path`` (saved at ``step``) resharded to this group, once its files' checksums
+        are found intact (each rank compares a share). Returns why the checkpoint was refused (the same on every
+        rank; nothing was loaded), or None."""
         if path is not None:
+            refused = verify_for_load(path, group=self.checkpoint_group)
+            if refused is not None:
+                return refused
             init_optimizer_state(self.state.optimizer)
             flat = self.strategy.state_dict(self.state)
             load_into(flat, path, group=self.checkpoint_group)
@@ -233,7 +267,7 @@ class TrainWorker:
             load_scaler(self.runner.scaler, path, group=self.checkpoint_group)
         self.status.step = step
         self._now_holds_run_state()
-        return self.status.step
+        return None
 
     def restore_from_peers(self, plan: PeerRestorePlan) -> int:
         """Collective, sharded strategies: rebuild the state of ``plan`` (``plan_peer_restore`` of the members'
@@ -247,8 +281,11 @@ class TrainWorker:
         return self.status.step
 
     def _now_holds_run_state(self) -> None:
-        """The live state is the run's from now on: a copy kept from an earlier generation is obsolete."""
-        self._kept, self._holds_run_state = None, True
+        """The live state is the run's from now on: copies kept from an earlier generation are obsolete once this
+        generation's buddy exchange has made its own."""
+        if self._kept and self.copies is not None:
+            self.copies.inherited = self._kept
+        self._kept, self._holds_run_state = [], True
 
     def train(self, until_step: int, faults: tuple[FaultConfig, ...] = (), shares: tuple[int, ...] | None = None
               ) -> None:
@@ -260,7 +297,7 @@ class TrainWorker:
         self.runner.split = BatchSplit(tuple(shares)) if shares else None
         injector = FaultInjector(faults, on_ray_kill=functools.partial(self.status.set_phase, "awaiting_kill"))
         self._now_holds_run_state()
-        self.loop.start(self.state, until_step, injector)
+        self.loop.start(self.state, until_step, injector, self.copies)
 
     def request_stop(self) -> None:
         """Vote to stop at a step boundary (the next vote's, ~actors.stop_vote.VOTE_PERIOD_S away);
@@ -291,8 +328,8 @@ class TrainWorker:
         return self.evaluator.run(self.state.model)
 
     def memory(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank holds."""
-        return memory_breakdown(self.state)
+        """Bytes of parameters, gradients and optimizer state this rank holds, and of the buddy copies (host)."""
+        return {**memory_breakdown(self.state), "buddy_copies": self.copies.host_bytes() if self.copies else 0}
 
     def _build_model(self) -> torch.nn.Module:
         return self.workload.build_model().to(self.device)

@@ -17,29 +17,35 @@ the job itself raises ``MemberRaised``.
 
 from __future__ import annotations
 
-import re
+import dataclasses
 import time
 from typing import Any
 
 import ray
 
-from actors.failures import is_peer_loss
+from actors.failures import plain_error
 from actors.group_status import GroupStatus, LostWorker
-from actors.membership import Member, Membership
+from actors.member_calls import (
+    COLLECTIVE_GRACE_S,
+    CallBounds,
+    MemberRaised,
+    MembersFailed,
+    call_members,
+)
+from actors.membership import Member, Membership, StartFailure
 from actors.placement import ReservedBundles, ReservedSlots, SlotShape, WorkerSlots, draining_nodes
 from actors.poller import GenerationPoller, death_reason
 from actors.warm_start import WarmProcesses
-from actors.worker import JoinReport, TrainingThreadHung, WorkerSpec
+from actors.worker import JoinReport, WorkerSpec
 from jobconfig import FaultConfig, JobConfig
 from strategies.checkpoint import Checkpointer
 from strategies.process_group import GroupAssignment, host_store, new_store_prefix
 
 START_GRACE_S = 1.0
 """After min_workers are placed, how long the start waits for the rest of max_workers."""
-COLLECTIVE_GRACE_S = 5.0
-"""Beyond failure.collective_timeout_s: how long members may take to give up on a dead peer."""
-JOIN_RENDEZVOUS = 3
-"""Rendezvous a join holds (the group, the checkpoint group, the node ids): each may wait one collective timeout."""
+JOIN_RENDEZVOUS = 4
+"""Rendezvous a join holds (the group, the checkpoint group, the buddy copies' group, the node ids): each may wait
+one collective timeout."""
 LONG_POLL_S = 1.0
 """Longest a worker's poll waits for news: how fresh step results are when nothing else happens.
 Each poll costs the Controller, the worker and Ray's services CPU that a small model's steps,
@@ -51,23 +57,15 @@ BUSY_POLL_S = 0.1
 an error's grace period); otherwise the polls' answers set the pace."""
 
 
-class MembersFailed(Exception):
-    """Members were found dead or hung (``lost``; empty when every member's collective lost a peer that is
-    nonetheless still there: the group re-forms as it is)."""
-
-    def __init__(self, lost: list[LostWorker]) -> None:
-        super().__init__("; ".join(worker.describe() for worker in lost))
-        self.lost = tuple(lost)
-
-
-class MemberRaised(Exception):
-    """A member raised an error of the job itself in a call (or could not even be built)."""
-
-
 class WorkerGroup:
-    def __init__(self, membership: Membership, *, collective_timeout_s: float, step_timeout_s: float) -> None:
+    def __init__(self, membership: Membership, *, collective_timeout_s: float, step_timeout_s: float,
+                 max_call_s: float) -> None:
+        """``max_call_s``: the longest a call on a member may take before the member is taken as hung
+        (failure.max_step_s: a save, a gather or an evaluation is bounded as a step is)."""
         self.membership = membership
         self.collective_timeout_s = collective_timeout_s
+        self.bounds = CallBounds(collective_timeout_s=collective_timeout_s, step_timeout_s=step_timeout_s,
+                                 max_call_s=max_call_s)
         self.poll_wait_s = min(LONG_POLL_S, step_timeout_s / 4)  # a live worker answers well within the stall timeout
         self.node_ip = ray.util.get_node_ip_address()
         self.store = host_store(self.node_ip)
@@ -90,9 +88,10 @@ class WorkerGroup:
         slots = (ReservedSlots(reserved.placement_group, list(reserved.bundle_indices), shape) if reserved
                  else WorkerSlots(shape, job.name))
         membership = Membership(run_name=job.name, spec=spec, slots=slots, cpus=shape.cpus, gpus=shape.gpus,
-                                resources=shape.custom, warm=WarmProcesses() if scaling.warm_processes else None)
+                                resources=shape.custom, warm=WarmProcesses() if scaling.warm_processes else None,
+                                max_start_failures=job.failure.max_start_failures)
         return cls(membership, collective_timeout_s=job.failure.collective_timeout_s,
-                   step_timeout_s=job.failure.step_timeout_s)
+                   step_timeout_s=job.failure.step_timeout_s, max_call_s=job.failure.max_step_s)
 
     @property
     def size(self) -> int:
@@ -130,7 +129,7 @@ class WorkerGroup:
                 continue
             except ray.exceptions.RayActorError as error:
                 if error.actor_init_failed:
-                    raise MemberRaised(f"worker {member.name} could not start: {plain(str(error))}") from None
+                    raise MemberRaised(f"worker {member.name} could not start: {plain_error(error)}") from None
                 lost.append(LostWorker(member.name, death_reason(error)))
             except ray.exceptions.GetTimeoutError:
                 lost.append(LostWorker(member.name, f"not started within scaling.placement_timeout_s={timeout_s}s"))
@@ -161,6 +160,10 @@ class WorkerGroup:
     def promote_spares(self, count: int) -> int:
         """Up to ``count`` constructed spares become joiners, ready to come in at once; returns how many."""
         return len(self.membership.promote_spares(count))
+
+    def take_start_failures(self) -> list[StartFailure]:
+        """New workers that could not be constructed since the last call (each replaced on a new slot)."""
+        return self.membership.take_start_failures()
 
     def wait_for_joiners(self, timeout_s: float) -> None:
         self.membership.wait_for_joiners(timeout_s)
@@ -215,68 +218,39 @@ class WorkerGroup:
         return reports
 
     def call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1) -> list[Any]:
-        """Call a collective ``method`` on every member (with ``args[rank]``) and return the results.
-
-        When one member's call fails, the others may still wait for it inside the collective, for up to
-        failure.collective_timeout_s per rendezvous the call holds: they must have ended before the next
-        generation's calls run beside them in the same processes. A member whose call has not ended by
-        then is hung. Raises MembersFailed naming the dead and hung (those whose collective merely lost a
-        peer are survivors), or MemberRaised when a member raised an error of the job itself.
-        """
-        members = list(self.membership.members)
-        calls = [getattr(m.actor, method).remote(*(args[rank] if args else ())) for rank, m in enumerate(members)]
-        results: list[Any] = [None] * len(calls)
-        pending = dict(zip(calls, range(len(calls)), strict=True))
-        lost: list[LostWorker] = []
-        survivors_saw_a_loss, deadline = False, None
-        while pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
-            if not ready:
-                break
-            for ref in ray.wait(list(pending), num_returns=len(pending), timeout=0)[0]:
-                member = members[rank := pending.pop(ref)]
-                try:
-                    results[rank] = ray.get(ref)
-                    continue
-                except ray.exceptions.RayActorError as error:
-                    lost.append(LostWorker(member.name, death_reason(error), rank))
-                except ray.exceptions.RayTaskError as error:
-                    if isinstance(error.cause, TrainingThreadHung):
-                        lost.append(LostWorker(member.name, f"hung: {error.cause}", rank))
-                    elif is_peer_loss(error.cause):
-                        survivors_saw_a_loss = True
-                    else:
-                        raise MemberRaised(f"{member.name} raised an error in {method}\n{plain(str(error))}") from None
-                deadline = deadline or time.monotonic() + rendezvous * self.collective_timeout_s + COLLECTIVE_GRACE_S
-        lost += [LostWorker(members[rank].name, f"hung: its {method} call did not end within {rendezvous} collective "
-                            "timeout(s) of the failure", rank) for rank in pending.values()]
-        if lost or survivors_saw_a_loss:
-            raise MembersFailed(lost)
-        return results
+        """Call a collective ``method`` on every member (with ``args[rank]``) and return the results, every wait
+        bounded (actors/member_calls.py); ``rendezvous``: how many collective timeouts the call may wait out.
+        Raises MembersFailed naming the dead and hung, or MemberRaised for an error of the job itself."""
+        return call_members(list(self.membership.members), method, args, bounds=self.bounds, rendezvous=rendezvous)
 
     def call_one(self, rank: int, method: str, *args: Any) -> Any:
-        """A call that is no collective, on the member of ``rank``."""
-        member = self.membership.members[rank]
+        """A call that is no collective, on the member of ``rank``, bounded as ``call_all``'s are."""
         try:
-            return ray.get(getattr(member.actor, method).remote(*args))
-        except ray.exceptions.RayActorError as error:
-            raise MembersFailed([LostWorker(member.name, death_reason(error), rank)]) from None
+            return call_members([self.membership.members[rank]], method, [args], bounds=self.bounds)[0]
+        except MembersFailed as failure:
+            raise MembersFailed([dataclasses.replace(worker, rank=rank) for worker in failure.lost]) from None
 
     # -- training -------------------------------------------------------------------------------------------
     def start_training(self, until_step: int, faults: list[tuple[FaultConfig, ...]],
                        shares: tuple[int, ...] | None = None) -> None:
         """Every member starts its step loop (with ``faults[rank]``, the injected faults aimed at it, and the batch
-        split ``shares``: None, even)."""
+        split ``shares``: None, even). A member that does not answer within the collective timeout is hung."""
         members = list(self.membership.members)
+        starts = [m.actor.train.remote(until_step, faults[rank], shares) for rank, m in enumerate(members)]
+        answered, _ = ray.wait(starts, num_returns=len(starts), timeout=self.collective_timeout_s + COLLECTIVE_GRACE_S)
         try:
-            ray.get([m.actor.train.remote(until_step, faults[rank], shares) for rank, m in enumerate(members)])
+            ray.get(answered)
         except ray.exceptions.RayActorError as error:
             poller = GenerationPoller(members, wait_s=0.0)
             ray.wait(list(poller.polls.values()), num_returns=len(members), timeout=1.0)
             poller.poll(timeout_s=0.0)
             lost = [LostWorker(s.name, s.dead, rank) for rank, s in enumerate(poller.statuses()) if s.dead]
             raise MembersFailed(lost or [LostWorker(members[0].name, death_reason(error), 0)]) from None
+        silent = [LostWorker(m.name, "hung: it did not start training within failure.collective_timeout_s="
+                             f"{self.collective_timeout_s}s", rank)
+                  for rank, (m, start) in enumerate(zip(members, starts, strict=True)) if start not in answered]
+        if silent:
+            raise MembersFailed(silent)
         self._poller = GenerationPoller(members, self.poll_wait_s)
 
     def poll(self) -> GroupStatus:
@@ -308,8 +282,3 @@ class WorkerGroup:
         if time.monotonic() - self._notices_read_at >= NOTICE_POLL_S:
             self._draining_nodes, self._notices_read_at = draining_nodes(), time.monotonic()
         return self._draining_nodes
-
-
-def plain(text: str) -> str:
-    """``text`` without the terminal colour codes Ray puts in the errors it relays."""
-    return re.sub(r"\x1b\[[0-9;]*m", "", text)

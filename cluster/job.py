@@ -7,38 +7,37 @@ Example::
     print(result.final_step, result.metrics["accuracy"])
 
 Writes ``<run_dir>/result.json`` (status, final_step, metrics, history, events, config; inf and NaN
-as null) however the run ends, and, on success and before result.json says so, ``<run_dir>/model.pt``:
-a plain state dict, ``torch.load(path, weights_only=True)``. One run at a time holds a run directory
-(and a local checkpoint directory): ``<dir>/.lock``, an flock that ends with the process.
+as null) however the run ends, and ``<run_dir>/model.pt``, a plain state dict
+(``torch.load(path, weights_only=True)``), before result.json says "finished" (and when a run failed after
+gathering its model: in its final evaluation). The status is ``finished``, ``failed``, or ``stopped``: a stop
+asked from outside the run (Ctrl-C, SIGTERM, a Ray Tune scheduler), at a step boundary.
+One run at a time holds a run directory (cluster/run_dir.py). However the run ends, no placement group of
+it is left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
-import math
-import os
-import socket
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import ray
-import torch
 from fsspec.implementations.local import LocalFileSystem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.async_ps.controller import AsyncControllerActor
 from actors.controller import ControllerActor, RunFailed
-from actors.placement import ReservedBundles
+from actors.placement import ReservedBundles, remove_run_slots
 from actors.run_checkpoints import default_checkpoint_root
-from actors.run_status import Event, RunResult, RunStatus
+from actors.run_status import RunResult, RunStatus
 from cluster.connect import ray_session
+from cluster.run_dir import SeenProgress, locked, require_no_checkpoints, require_writable, write_model, write_result
 from cluster.tensorboard import TensorBoardLog
+from cluster.termination import INTERRUPTED, StopRequest, sigterm_asks
 from cluster.tracking import MlflowLog, RunEnd
 from jobconfig import JobConfig
 from jobconfig.naming import controller_name
@@ -47,11 +46,20 @@ from workloads import resolve_workload_class
 ProgressCallback = Callable[[RunStatus], None]
 PROGRESS_WAIT_S = 1.0
 """Longest the driver's progress poll waits: events arrive at once, step rows at least this often."""
-LOCK_NAME = ".lock"
+STOP_TIMEOUT_S = 15.0
+"""Longest the driver waits for a Controller asked to stop (it ends the step in flight and shuts its workers
+down) before it kills it."""
+CONTROLLER_END_S = 10.0
+"""Longest the driver waits for a killed Controller to be gone before it removes the run's placement groups."""
+
+
+class RunStopped(RunFailed):
+    """The run was stopped from outside (Ctrl-C, SIGTERM) before its last step; result.json says "stopped"."""
 
 
 def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | None = None,
-          on_progress: ProgressCallback | None = None, reserved: ReservedBundles | None = None) -> RunResult:
+          on_progress: ProgressCallback | None = None, reserved: ReservedBundles | None = None,
+          stop_on_sigterm: bool = False) -> RunResult:
     """Train ``job`` to its last step; raises RunFailed (and still writes result.json) if it cannot.
 
     Refused before any actor starts, with RunFailed and the run directory left as it was: another run
@@ -59,29 +67,34 @@ def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | N
 
     ``reserved``: place the workers in these already reserved placement-group bundles (a Ray
     Tune trial does this) instead of asking Ray for placement groups of their own.
+
+    ``stop_on_sigterm``: while the run goes on, a SIGTERM to this process (``ray job stop``) stops it at the next
+    step boundary as Ctrl-C does (RunStopped; result.json says "stopped"), and the handler from before comes back
+    after it. Only from the main thread; ``raylastic train`` sets it, a notebook or a Tune trial need not.
     """
     resolve_workload_class(job.workload.name)  # a bad import path fails here, before any actor starts
     run_dir = Path(run_dir or Path("runs") / job.name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_root = job.checkpoint.path or default_checkpoint_root(run_dir)
-    with _locked(run_dir, "run directory"):
-        _require_writable(checkpoint_root)
+    with locked(run_dir, "run directory"):
+        require_writable(checkpoint_root)
         fs, root_path = fsspec.core.url_to_fs(checkpoint_root)
         # An object store (s3://...) has no locks: keeping its runs apart is the user's part.
         local_root = isinstance(fs, LocalFileSystem)
-        with _locked(Path(root_path), "checkpoint directory") if local_root else contextlib.nullcontext():
+        with locked(Path(root_path), "checkpoint directory") if local_root else contextlib.nullcontext():
             if job.checkpoint.resume == "never":
-                _require_no_checkpoints(checkpoint_root)
-            return _run(job, run_dir, checkpoint_root, address, on_progress, reserved)
+                require_no_checkpoints(checkpoint_root)
+            return _run(job, run_dir, checkpoint_root, address, on_progress, reserved, stop_on_sigterm)
 
 
 def _run(job: JobConfig, run_dir: Path, checkpoint_root: str, address: str | None,
-         on_progress: ProgressCallback | None, reserved: ReservedBundles | None) -> RunResult:
-    """Every end from here on writes result.json: finished (after model.pt), failed, or killed."""
+         on_progress: ProgressCallback | None, reserved: ReservedBundles | None, stop_on_sigterm: bool) -> RunResult:
+    """Every end from here on writes result.json: finished (after model.pt), failed, or stopped."""
     profile_dir = str(run_dir / "profile") if job.training.profile_steps else None
     tensorboard = TensorBoardLog(run_dir)
     mlflow_log = MlflowLog(job.tracking, job, run_dir) if job.tracking.mlflow_uri else None
-    seen = _SeenProgress()
+    seen = SeenProgress()
+    stop = StopRequest()
 
     def follow(progress: RunStatus) -> None:
         tensorboard.update(progress)
@@ -90,19 +103,29 @@ def _run(job: JobConfig, run_dir: Path, checkpoint_root: str, address: str | Non
         if on_progress is not None:
             on_progress(progress)
 
+    def stopping(reason: str) -> None:
+        # Written before the wait for the Controller: `ray job stop` sends SIGKILL 3 s after its SIGTERM.
+        with contextlib.suppress(RunFailed):
+            write_result(run_dir, job, status="stopped", progress=seen,
+                         error=f"{reason}: stopping at the next step boundary; the last step seen was {seen.step}")
+
     try:
-        with ray_session(address, min_cpus=_cpus_needed(job)):
+        sigterm = sigterm_asks(stop) if stop_on_sigterm else contextlib.nullcontext()
+        with ray_session(address, min_cpus=_cpus_needed(job)), sigterm:  # after ray.init, which sets its own
             controller = _start_controller(job, checkpoint_root, reserved, profile_dir)
             try:
-                result = _follow(controller, controller_name(job.name), seen, follow)
+                result = _follow(controller, controller_name(job.name), seen, follow, stop, stopping)
             finally:
-                ray.kill(controller)
-        _write_model(run_dir, result.model_state)  # before result.json says "finished"
-        _write_result(run_dir, job, status="finished", result=result)
+                _end_controller(controller, job.name)
+        write_model(run_dir, result.model_state)  # before result.json says "finished"
+        write_result(run_dir, job, status="finished", result=result)
     except BaseException as error:
         ended = _ended_as(error)
+        if getattr(error, "model_state", None) is not None:  # gathered before the run failed (its final evaluation)
+            with contextlib.suppress(RunFailed):
+                write_model(run_dir, error.model_state)
         with contextlib.suppress(RunFailed):  # e.g. the disk is full: the error itself still reaches the user
-            _write_result(run_dir, job, status=ended, error=str(error) or type(error).__name__, progress=seen)
+            write_result(run_dir, job, status=ended, error=str(error) or type(error).__name__, progress=seen)
         if mlflow_log is not None:
             mlflow_log.finish(ended, model_path=None, result_path=run_dir / "result.json")
         raise
@@ -111,74 +134,6 @@ def _run(job: JobConfig, run_dir: Path, checkpoint_root: str, address: str | Non
     if mlflow_log is not None:
         mlflow_log.finish("finished", model_path=run_dir / "model.pt", result_path=run_dir / "result.json")
     return result
-
-
-@dataclass
-class _SeenProgress:
-    """What the driver has been told of the run so far: result.json's record when the Controller, dead or
-    stopped, can no longer be asked."""
-
-    step: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    evaluations: list[dict[str, Any]] = field(default_factory=list)
-
-    def add(self, progress: RunStatus) -> None:
-        self.step = progress.step
-        self.history += progress.history
-        self.events += progress.events
-        self.evaluations += progress.evaluations
-
-    def cursor(self) -> dict[str, int]:
-        """``Controller.progress``'s arguments for what comes after this."""
-        return {"history_since": len(self.history), "events_since": len(self.events),
-                "evaluations_since": len(self.evaluations)}
-
-
-@contextlib.contextmanager
-def _locked(directory: Path, what: str) -> Iterator[None]:
-    """Hold ``<directory>/.lock`` for the block; RunFailed at once, naming the holder, if another run does."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as error:
-        raise RunFailed(f"{what} {directory} is not writable: {type(error).__name__}: {error}") from None
-    try:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the descriptor closes or we die
-        except BlockingIOError:
-            holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip() or "unknown"
-            raise RunFailed(f"{what} {directory} is in use by another run (pid {holder}); wait for it to end, "
-                            "or use another --run-dir or checkpoint.path") from None
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(descriptor)
-
-
-def _require_writable(checkpoint_root: str) -> None:
-    """The checkpoint path must take a file before any actor starts, not at the first save."""
-    fs, path = fsspec.core.url_to_fs(checkpoint_root)
-    probe = f"{path.rstrip('/')}/.write-probe-{socket.gethostname()}-{os.getpid()}"
-    try:
-        fs.makedirs(path, exist_ok=True)
-        with fs.open(probe, "wb") as handle:
-            handle.write(b"raylastic")
-        fs.rm(probe)
-    except Exception as error:  # noqa: BLE001 - fsspec's backends raise their own kinds
-        raise RunFailed(f"checkpoint path {checkpoint_root} is not writable: {type(error).__name__}: {error}") from None
-
-
-def _require_no_checkpoints(checkpoint_root: str) -> None:
-    """checkpoint.resume=never starts afresh: with another run's checkpoints in its path it would prune them,
-    and a later resume could load theirs."""
-    fs, path = fsspec.core.url_to_fs(checkpoint_root)
-    names = sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False))
-    found = [name for name in names if name.startswith(("step_", "ps_"))]
-    if found:
-        raise RunFailed(f"checkpoint.resume=never, but {checkpoint_root} holds checkpoints ({', '.join(found)}); "
-                        "delete that directory to start afresh, or use another --run-dir or checkpoint.path")
 
 
 def _cpus_needed(job: JobConfig) -> float:
@@ -204,11 +159,13 @@ def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBu
         job, checkpoint_root, reserved, profile_dir)
 
 
-def _follow(controller: Any, name: str, seen: _SeenProgress, on_progress: ProgressCallback) -> RunResult:
-    """Poll the Controller's progress until its run ends; Ctrl-C stops it at a step boundary."""
+def _follow(controller: Any, name: str, seen: SeenProgress, on_progress: ProgressCallback, stop: StopRequest,
+            stopping: Callable[[str], None]) -> RunResult:
+    """Poll the Controller's progress until its run ends. A stop (``stop`` asked, Ctrl-C, or an exception from
+    ``on_progress`` such as Ray Tune's) ends it at a step boundary, after ``stopping(reason)``."""
     done = controller.run.remote()
     try:
-        while True:
+        while stop.reason is None:
             finished, _ = ray.wait([done], timeout=0)
             # A long poll: it answers at once on an event or the run's end, else after PROGRESS_WAIT_S.
             wait_s = 0.0 if finished else PROGRESS_WAIT_S
@@ -216,7 +173,7 @@ def _follow(controller: Any, name: str, seen: _SeenProgress, on_progress: Progre
             seen.add(progress)
             on_progress(progress)
             if finished:
-                return _unwrap(done)
+                break
     except ray.exceptions.RayTaskError:  # raised by the Controller, which is alive (RunFailed: see _unwrap)
         _stop(controller, done, seen)
         raise
@@ -224,20 +181,62 @@ def _follow(controller: Any, name: str, seen: _SeenProgress, on_progress: Progre
         reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise RunFailed(f"the Controller ({name}) died at step {seen.step}: {reason}") from None
     except KeyboardInterrupt:
-        _stop(controller, done, seen)
-        raise RunFailed("interrupted (Ctrl-C); workers were shut down") from None
-    except BaseException:  # e.g. Ray Tune stopping a trial from inside on_progress: stop the same way
+        stop.ask(INTERRUPTED)
+    except BaseException as error:  # e.g. Ray Tune stopping a trial from inside on_progress: stop the same way
+        stopping(type(error).__name__)
         _stop(controller, done, seen)
         raise
+    if stop.reason is None:  # the run ended by itself
+        return _outcome(done, seen)
+    stopping(stop.reason)
+    return _stopped(controller, done, seen, stop.reason)
 
 
-def _stop(controller: Any, done: Any, seen: _SeenProgress) -> None:
-    """End the run at the next step boundary; the Controller shuts its workers down before it returns.
-    What it logged meanwhile is added to ``seen``, if it still answers."""
+def _stopped(controller: Any, done: Any, seen: SeenProgress, reason: str) -> RunResult:
+    """Stop the run for ``reason``: RunStopped saying where it stopped (its result, if it finished meanwhile)."""
+    if not _stop(controller, done, seen):
+        raise RunStopped(f"{reason}: the Controller did not stop within {STOP_TIMEOUT_S:.0f} s of the stop asked "
+                         f"after step {seen.step} and was ended; its workers went with it")
+    return _outcome(done, seen, reason)
+
+
+def _outcome(done: Any, seen: SeenProgress, reason: str | None = None) -> RunResult:
+    """The ended run's result; RunStopped if the Controller ended it stopped (asked here for ``reason``, or by
+    anyone else), RunFailed if it failed."""
+    try:
+        return _unwrap(done)
+    except RunFailed as error:
+        if seen.state != "stopped":
+            raise
+        raise RunStopped(f"{reason}: {error}" if reason else str(error)) from None
+
+
+def _stop(controller: Any, done: Any, seen: SeenProgress) -> bool:
+    """End the run at the next step boundary; the Controller shuts its workers down before it returns. What
+    it logged meanwhile is added to ``seen``, if it still answers. Whether it ended within STOP_TIMEOUT_S."""
     controller.stop.remote()
-    ray.wait([done], timeout=15)
+    ended, _ = ray.wait([done], timeout=STOP_TIMEOUT_S)
     with contextlib.suppress(ray.exceptions.RayError):
         seen.add(ray.get(controller.progress.remote(**seen.cursor()), timeout=5))
+    return bool(ended)
+
+
+def _end_controller(controller: Any, run_name: str) -> None:
+    """Kill the Controller if it still lives, wait (bounded) until it is gone, then remove any placement group
+    of the run left behind: a Controller killed or stopped from outside could not release them."""
+    ray.kill(controller)
+    deadline = time.monotonic() + CONTROLLER_END_S
+    while time.monotonic() < deadline:  # a call may still be answered until the kill lands
+        try:
+            ray.get(controller.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            break
+        time.sleep(0.05)
+    try:
+        remove_run_slots(run_name)
+    except Exception as error:  # noqa: BLE001 - cleaning up must not hide how the run ended
+        warnings.warn(f"could not remove the placement groups of run {run_name}: {type(error).__name__}: {error}",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _unwrap(ref: Any) -> RunResult:
@@ -245,57 +244,11 @@ def _unwrap(ref: Any) -> RunResult:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as error:
         if isinstance(error.cause, RunFailed):
-            raise RunFailed(str(error.cause)) from None
+            raise RunFailed(str(error.cause), model_state=error.cause.model_state) from None
         raise
 
 
 def _ended_as(error: BaseException) -> RunEnd:
-    """A run stopped from outside (Ctrl-C, which _follow turns into RunFailed; a Tune stop) was killed."""
-    interrupted = isinstance(error.__context__, KeyboardInterrupt) or not isinstance(error, Exception)
-    return "killed" if interrupted else "failed"
-
-
-def _write_model(run_dir: Path, state: dict[str, torch.Tensor]) -> None:
-    """Atomically: a reader finds the whole model.pt of this run, or the file that was there before."""
-    temporary = run_dir / f"model.pt.{os.getpid()}.tmp"
-    try:
-        torch.save(state, temporary)
-        os.replace(temporary, run_dir / "model.pt")
-    except Exception as error:
-        temporary.unlink(missing_ok=True)
-        raise RunFailed(f"could not write {run_dir / 'model.pt'}: {type(error).__name__}: {error}") from error
-
-
-def _write_result(run_dir: Path, job: JobConfig, *, status: RunEnd, result: RunResult | None = None,
-                  error: str | None = None, progress: _SeenProgress | None = None) -> None:
-    """result.json, atomically (RunFailed if it cannot be written)."""
-    payload: dict[str, Any] = {"status": status, "name": job.name, "config": job.to_dict()}
-    if result is not None:
-        payload.update(final_step=result.final_step, metrics=result.metrics, checkpoint=result.checkpoint,
-                       history=result.history, eval_history=result.eval_history,
-                       events=[event.to_dict() for event in result.events])
-        if result.memory is not None:
-            payload["memory"] = [{"rank": rank, **m} for rank, m in enumerate(result.memory)]
-        if result.ledger is not None:
-            payload["ledger"] = result.ledger
-    else:
-        payload.update(error=error, final_step=progress.step, history=progress.history,
-                       eval_history=progress.evaluations, events=[event.to_dict() for event in progress.events])
-    temporary = run_dir / f"result.json.{os.getpid()}.{time.time_ns()}"
-    try:
-        temporary.write_text(json.dumps(_finite(payload), indent=1, default=str, allow_nan=False))
-        os.replace(temporary, run_dir / "result.json")
-    except Exception as error:
-        temporary.unlink(missing_ok=True)
-        raise RunFailed(f"could not write {run_dir / 'result.json'}: {type(error).__name__}: {error}") from error
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with inf and NaN as None: JSON has no such numbers (Python would write bare NaN)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
+    """A run stopped from outside (Ctrl-C or SIGTERM, which _follow turns into RunStopped; a Tune stop, which is
+    no Exception) was stopped; any other error failed it."""
+    return "stopped" if isinstance(error, RunStopped) or not isinstance(error, Exception) else "failed"

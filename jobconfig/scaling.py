@@ -89,8 +89,13 @@ class FailureConfig:
     would make healthy workers look hung."""
     max_step_s: float = 600.0
     """A worker whose step runs this long is taken as hung and replaced (a rank that lags its peers is
-    caught sooner, when their collectives time out); raise it for steps that legitimately take longer. In
-    [1 s, a day], as the other timeouts."""
+    caught sooner, when their collectives time out); raise it for steps that legitimately take longer. It
+    bounds the work at a step boundary (a periodic save) and the Controller's calls (the final save, gather
+    and evaluation) too. In [1 s, a day], as the other timeouts."""
+    max_start_failures: int = 3
+    """New workers in a row (joiners, replacements, spares) that may fail to start - their workload or CUDA
+    cannot be built where they were placed - before the run fails with the error; each is replaced on a new
+    slot until then."""
 
     def __post_init__(self) -> None:
         require(is_non_negative_int(self.max_failures), "failure.max_failures", "a non-negative integer",
@@ -98,6 +103,8 @@ class FailureConfig:
         require_seconds(self.collective_timeout_s, "failure.collective_timeout_s", low=1)
         require_seconds(self.step_timeout_s, "failure.step_timeout_s", low=1)
         require_seconds(self.max_step_s, "failure.max_step_s", low=1)
+        require(is_positive_int(self.max_start_failures), "failure.max_start_failures", "a positive integer",
+                self.max_start_failures)
 
 
 @dataclass(frozen=True, kw_only=True)

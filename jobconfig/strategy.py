@@ -52,6 +52,11 @@ class StrategyConfig:
     is then recovered from a surviving copy instead of a checkpoint, at the cost of ``replicas`` times the
     sharded state's memory. A generation whose world size it does not divide keeps the largest count that
     does and is at most this (world size 3 with 2: one copy; strategies/shard_layout.py)."""
+    buddy_copy: bool = True
+    """zero1/zero2/zero3 with one copy of the sharded state (``replicas`` 1, or a world size it does not divide):
+    after every step each rank's shard is also sent to the next rank, which keeps it in CPU memory, so a lost
+    worker's shard comes from there instead of a checkpoint (strategies/buddy_copy.py). Costs up to four times
+    a rank's shard in host memory, and the copy's transfer, which overlaps the next step's forward."""
     hierarchical: bool = False
     """ddp: reduce inside each node, all-reduce among one leader per node, broadcast back (node
     membership from Ray's node ids, re-derived at every generation). Not combinable with compression."""
@@ -99,6 +104,7 @@ class StrategyConfig:
         require(isinstance(self.offload, bool), "strategy.offload", "true or false", self.offload)
         require(self.compression in COMPRESSIONS, "strategy.compression", one_of(COMPRESSIONS), self.compression)
         require(isinstance(self.hierarchical, bool), "strategy.hierarchical", "true or false", self.hierarchical)
+        require(isinstance(self.buddy_copy, bool), "strategy.buddy_copy", "true or false", self.buddy_copy)
         require(isinstance(self.comm_timing, bool), "strategy.comm_timing", "true or false", self.comm_timing)
         if self.compression != "none" and self.name not in ("ddp", "diloco"):
             raise ValueError(f"strategy.compression works with strategy.name=ddp or diloco only, got {self.name!r}")

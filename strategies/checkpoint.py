@@ -6,7 +6,8 @@ once every rank's shard is on storage: temp file, fsync, rename. Each rank check
 manifest lists every rank's files even where each node writes to a disk of its own. A directory
 without a valid manifest, or whose files do not match the manifest's sizes and SHA-256 checksums,
 is never loaded: the loader falls back to the previous complete checkpoint. A complete checkpoint is
-deleted only by pruning, once a newer one (a higher step, written later) is complete. The state dict
+deleted only by pruning, once a newer one (a higher step, written later) is complete, and only directories
+we wrote (marked before any rank writes into them, or holding a manifest) are ever deleted. The state dict
 is the strategies' canonical layout (strategies/base.py), so a checkpoint saved by any strategy at
 any world size loads into any other. Checkpoints hold tensors only; DCP's small pickled
 ``.metadata`` is read by strategies/checkpoint_metadata.py, which allows only DCP's own classes, so loading a
@@ -26,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from importlib import metadata
@@ -41,13 +42,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from strategies.checkpoint_manifest import (
+    MARKER_NAME,
     METADATA_NAME,
     CheckpointManifest,
+    checksum_share,
     checksums,
     filesystem,
     read_manifest,
     verify,
     write_manifest,
+    write_marker,
+    written_by_us,
 )
 from strategies.checkpoint_metadata import safe_reader
 
@@ -137,8 +142,9 @@ class Checkpointer:
         return done
 
     def _prepare(self, directory: str) -> _Preparation:
-        """Rank 0: an empty directory to write into. An intact checkpoint of this job already there (a
-        finished run run again) is kept as this save, never deleted to be written again."""
+        """Rank 0: an empty directory to write into, marked as ours before anything else is written. An intact
+        checkpoint of this job already there (a finished run run again) is kept as this save, never deleted to
+        be written again; a directory holding files we did not write is left alone and the save fails."""
         try:
             fs, path = filesystem(directory)
             if fs.exists(path):
@@ -148,8 +154,13 @@ class Checkpointer:
                         return _Preparation("saved")
                     return _Preparation("failed", f"it holds a complete checkpoint of another job (config hash "
                                                   f"{existing.config_hash}, this job's is {self.config_hash})")
-                fs.rm(path, recursive=True)  # an incomplete or damaged earlier attempt at this step
+                if not written_by_us(directory) and fs.ls(path, detail=False):
+                    return _Preparation("failed", f"it holds files that Raylastic did not write (it has no "
+                                                  f"{MARKER_NAME} and no manifest), which are never deleted: move "
+                                                  f"them, or set checkpoint.path to another directory")
+                fs.rm(path, recursive=True)  # ours: an incomplete or damaged earlier attempt at this step
             fs.makedirs(path, exist_ok=True)
+            write_marker(directory)
         except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others would wait
             return _Preparation("failed", _cause(error))
         return _Preparation("write")
@@ -210,6 +221,37 @@ def latest_checkpoint(root: str | os.PathLike) -> Checkpoint | None:
     return newest_loadable(root)[0]
 
 
+def newest_complete(root: str | os.PathLike, max_step: int | None = None, skip: Collection[str] = ()
+                    ) -> tuple[Checkpoint | None, list[Rejected]]:
+    """As ``newest_loadable``, but its files are checked by their sizes only, none read: what the head node
+    may check of a checkpoint on shared storage. The ranks that load it compare the checksums
+    (``verify_for_load``). ``skip``: checkpoints already refused."""
+    rejected = []
+    for checkpoint in reversed(complete_checkpoints(root)):
+        if (max_step is not None and checkpoint.manifest.step > max_step) or checkpoint.path in skip:
+            continue
+        reason = verify(checkpoint.path, checkpoint.manifest, checksummed=())
+        if reason is None:
+            return checkpoint, rejected
+        rejected.append(Rejected(checkpoint.path, reason))
+    return None, rejected
+
+
+def verify_for_load(directory: str, group: dist.ProcessGroup | None = None) -> str | None:
+    """Collective over the loading ranks: each compares the checksums of its share of ``directory``'s files
+    (``checksum_share``), so each file is read once, on a rank that loads the checkpoint. Returns why the
+    checkpoint must not be loaded (the same on every rank), or None."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        problem = f"{directory} has no readable manifest"
+    else:
+        share = checksum_share(manifest, dist.get_rank(group), dist.get_world_size(group))
+        problem = verify(directory, manifest, checksummed=share)
+    problems: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    return next((p for p in problems if p is not None), None)
+
+
 def load_into(state_dict: dict[str, Any], directory: str, group: dist.ProcessGroup | None = None, *,
               partial: bool = False) -> None:
     """Collective: fill ``state_dict`` (canonical layout, this rank's shards) from ``directory``; raises
@@ -224,15 +266,16 @@ def load_into(state_dict: dict[str, Any], directory: str, group: dist.ProcessGro
 
 def prune_checkpoints(root: str, num_to_keep: int, *, written_step: int) -> None:
     """Once the checkpoint of ``written_step`` is complete: remove older complete checkpoints beyond the
-    newest ``num_to_keep`` up to it, and older incomplete directories. A higher step (an earlier life of
-    the run that got further, say) is left alone: the checkpoint just written does not supersede it."""
+    newest ``num_to_keep`` up to it, and older incomplete directories that we wrote (``written_by_us``). A
+    higher step (an earlier life of the run that got further, say) is left alone: the checkpoint just written
+    does not supersede it. So is every directory we did not write, whatever its name."""
     complete = [c for c in complete_checkpoints(root) if c.manifest.step <= written_step]
     keep = {c.path for c in complete[-num_to_keep:]}
     fs, path = filesystem(root)
-    for directory in fs.ls(path, detail=False):
-        step = _step_of(directory)
-        if step is not None and step < written_step and _same_scheme(root, directory) not in keep:
-            fs.rm(directory, recursive=True)
+    for listed in fs.ls(path, detail=False):
+        step, directory = _step_of(listed), _same_scheme(root, listed)
+        if step is not None and step < written_step and directory not in keep and written_by_us(directory):
+            fs.rm(listed, recursive=True)
 
 
 def _same_scheme(root: str, path: str) -> str:

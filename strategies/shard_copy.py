@@ -1,5 +1,5 @@
-"""A worker's CPU copy of its shard of the sharded state, and the collective that rebuilds the state from
-the copies of a new group's ranks (issue 18; the plan is strategies/peer_restore.py's).
+"""A worker's CPU copies of shards of the sharded state, and the collective that rebuilds the state from
+the copies of a new group's ranks (the plan is strategies/peer_restore.py's).
 
 What a rank keeps is its shard of every entry of the canonical flat state dict (strategies/base.py,
 with the fp16 scaler's entries): rows ``row_bounds(rows, num_shards, shard)`` of dim 0, whether the live
@@ -7,6 +7,10 @@ entry is a DTensor sharded that way (FSDP2's parameters and optimizer state, zer
 or a plain tensor every rank holds whole (zero1's parameters: a rank keeps its rows of them only).
 A 0-dim entry (Adam's step, the scaler's scale) belongs to shard 0. So the copies of a layout's
 shards, put side by side, are the whole state, whatever the strategy.
+
+A copy is made when a worker leaves a generation (``keep_shards``), or after every step into one byte
+buffer (``pack_shard``; strategies/buddy_copy.py sends it to the next rank, which reads it back with
+``unpack_shard``): each entry's rows lie at an aligned offset, so the rows are views of the buffer.
 
 Restoring: each shard of the old layout is broadcast by its sender over the new group (one flat
 buffer per dtype), every rank assembles the whole state in CPU memory (one full copy per rank, for
@@ -17,13 +21,14 @@ Example (TrainWorker's ``join`` and ``restore_from_peers``)::
 
     kept = keep_shards(strategy, state, scaler, generation=3, step=120)      # before leaving generation 3
     ...                                                                       # join generation 4, set up
-    full = gather_shards(kept, plan, group=checkpoint_group)                  # collective
+    full = gather_shards([kept], plan, group=checkpoint_group)                # collective
     load_full_state(strategy, new_state, scaler, full)
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -38,6 +43,9 @@ from strategies.shard_layout import ShardLayout, row_bounds
 
 logger = logging.getLogger(__name__)
 
+PACK_ALIGNMENT = 16
+"""Bytes: where each entry of a packed shard starts (a multiple of every dtype's size)."""
+
 
 @dataclass(frozen=True)
 class _Entry:
@@ -47,10 +55,10 @@ class _Entry:
 
 @dataclass
 class KeptShards:
-    """One rank's copy of its shard of a generation's state, in CPU memory."""
+    """A copy of one rank's shard of a generation's state, in CPU memory (kept by that rank or its buddy)."""
 
     copy: ShardCopy
-    """What it is: the generation's layout, this rank's place in it, the step."""
+    """What it is: the generation's layout, the place in it of the rank whose shard it is, the step."""
     entries: dict[str, _Entry]
     """Every entry of the whole state: its full shape and dtype."""
     rows: dict[str, torch.Tensor]
@@ -63,35 +71,72 @@ def keep_shards(strategy: Strategy, state: TrainState, scaler: torch.amp.GradSca
     0 (every rank rebuilds that state from the seed; an optimizer's state is not built yet) and when the state
     is not one step's: zero1 lost a peer while gathering an update (``ShardedOptimizer.stepping``)."""
     assert state.layout is not None, f"{strategy.name} keeps no shard layout"
-    if step == 0 or getattr(state.optimizer, "stepping", False):
+    flat = shard_state(strategy, state, scaler, step)
+    if flat is None:
         return None
     layout = state.layout
-    flat = {**strategy.state_dict(state), **scaler_entries(scaler)}
-    entries, rows = {}, {}
-    for key, value in flat.items():
-        if not isinstance(value, torch.Tensor):
-            logger.warning("no copy of the sharded state is kept in memory: its entry %r is a %s, not a tensor "
-                           "(a lost worker's shard then comes from a checkpoint)", key, type(value).__name__)
-            return None
-        entries[key] = _Entry(tuple(value.shape), value.dtype)
-        mine = _rows_of_shard(value, layout)
-        if mine is not None:
-            rows[key] = mine
+    entries = {key: _Entry(tuple(value.shape), value.dtype) for key, value in flat.items()}
+    rows = {key: mine for key, value in flat.items() if (mine := _rows_of_shard(value, layout)) is not None}
     copy = ShardCopy(generation=generation, world_size=layout.world_size, replicas=layout.replicas,
                      rank=layout.rank, step=step)
     return KeptShards(copy=copy, entries=entries, rows=rows)
 
 
-def gather_shards(kept: KeptShards | None, plan: PeerRestorePlan, group: dist.ProcessGroup | None = None
+def shard_state(strategy: Strategy, state: TrainState, scaler: torch.amp.GradScaler | None, step: int
+                ) -> dict[str, torch.Tensor] | None:
+    """The flat state a copy is made of (the strategy's entries and the scaler's), or None when no copy can
+    be made of it: at step 0, from a zero1 update cut short, or with an entry that is not a tensor."""
+    if step == 0 or getattr(state.optimizer, "stepping", False):
+        return None
+    flat = {**strategy.state_dict(state), **scaler_entries(scaler)}
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            logger.warning("no copy of the sharded state is kept in memory: its entry %r is a %s, not a tensor "
+                           "(a lost worker's shard then comes from a checkpoint)", key, type(value).__name__)
+            return None
+    return flat
+
+
+def entries_of(flat: dict[str, torch.Tensor]) -> dict[str, _Entry]:
+    """Every entry's full shape and dtype, in the order the packed shards list them."""
+    return {key: _Entry(tuple(flat[key].shape), flat[key].dtype) for key in sorted(flat)}
+
+
+def packed_size(entries: dict[str, _Entry], num_shards: int, shard: int) -> int:
+    """Bytes of ``shard``'s rows of every entry, packed (``pack_shard``)."""
+    parts = _packed_parts(entries, num_shards, shard)
+    return parts[-1][1] + parts[-1][2] if parts else 0
+
+
+def pack_shard(flat: dict[str, torch.Tensor], layout: ShardLayout, entries: dict[str, _Entry],
+               out: torch.Tensor) -> None:
+    """Copy this rank's rows of every entry of ``flat`` (``layout.shard``'s) into the byte buffer ``out``,
+    entry after entry in ``entries``' order; from a GPU, without a whole shard's temporary there."""
+    for key, offset, nbytes in _packed_parts(entries, layout.num_shards, layout.shard):
+        rows = _local_rows(flat[key], layout)
+        out[offset:offset + nbytes].view(rows.dtype).view(rows.shape).copy_(rows, non_blocking=out.is_pinned())
+    if out.is_pinned():
+        torch.cuda.current_stream().synchronize()  # the copies from the GPU are in; the buffer may be sent
+
+
+def unpack_shard(entries: dict[str, _Entry], buffer: torch.Tensor, layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """``pack_shard``'s buffer of ``layout.shard`` as rows per entry (views of ``buffer``, no copy)."""
+    rows = {}
+    for key, offset, nbytes in _packed_parts(entries, layout.num_shards, layout.shard):
+        entry = entries[key]
+        rows[key] = buffer[offset:offset + nbytes].view(entry.dtype).view(_shard_shape(entry.shape, layout.num_shards,
+                                                                                     layout.shard))
+    return rows
+
+
+def gather_shards(kept: list[KeptShards], plan: PeerRestorePlan, group: dist.ProcessGroup | None = None
                   ) -> dict[str, torch.Tensor]:
     """Collective over ``group`` (every rank of the new group): the whole state the plan describes, on CPU.
-    Shard ``s`` comes from new rank ``plan.senders[s]`` (``kept`` must hold it there)."""
+    Shard ``s`` comes from new rank ``plan.senders[s]``, which must hold it among its ``kept`` copies."""
     rank = dist.get_rank(group)
-    if rank in plan.senders:
-        shard = plan.senders.index(rank)
-        assert kept is not None and (kept.copy.generation, kept.copy.step) == (plan.generation, plan.step) \
-            and kept.copy.layout.shard == shard, f"rank {rank} is to send shard {shard} of {plan}, it holds {kept}"
-    header = [kept.entries if rank == plan.senders[0] else None]
+    mine = {shard: _copy_of_shard(kept, plan, shard, rank) for shard, sender in enumerate(plan.senders)
+            if sender == rank}
+    header = [next(iter(mine.values())).entries if rank == plan.senders[0] else None]
     dist.broadcast_object_list(header, group=group, group_src=plan.senders[0])
     entries: dict[str, _Entry] = header[0]
     full = {key: torch.empty(entry.shape, dtype=entry.dtype) for key, entry in entries.items()}
@@ -102,13 +147,23 @@ def gather_shards(kept: KeptShards | None, plan: PeerRestorePlan, group: dist.Pr
                 continue
             sizes = [part.numel() for part in parts.values()]
             if rank == sender:
-                buffer = torch.cat([kept.rows[key].reshape(-1) for key in parts])
+                buffer = torch.cat([mine[shard].rows[key].reshape(-1) for key in parts])
             else:
                 buffer = torch.empty(sum(sizes), dtype=entries[keys[0]].dtype)
             dist.broadcast(buffer, group=group, group_src=sender)
             for part, piece in zip(parts.values(), buffer.split(sizes), strict=True):
                 part.copy_(piece.view(part.shape))
     return full
+
+
+def _copy_of_shard(kept: list[KeptShards], plan: PeerRestorePlan, shard: int, rank: int) -> KeptShards:
+    """The copy of ``shard`` of the plan's state among ``kept`` (the plan says this rank holds one)."""
+    for copy in kept:
+        described = copy.copy
+        if (described.generation, described.step, described.world_size, described.replicas, described.layout.shard) \
+                == (plan.generation, plan.step, plan.world_size, plan.replicas, shard):
+            return copy
+    raise AssertionError(f"rank {rank} is to send shard {shard} of {plan}, it holds {[k.copy for k in kept]}")
 
 
 def load_full_state(strategy: Strategy, state: TrainState, scaler: torch.amp.GradScaler | None,
@@ -138,16 +193,43 @@ def load_full_state(strategy: Strategy, state: TrainState, scaler: torch.amp.Gra
 def _rows_of_shard(value: torch.Tensor, layout: ShardLayout) -> torch.Tensor | None:
     """``layout.shard``'s rows of ``value`` (of its local part, for a DTensor) as a CPU copy; None for a 0-dim
     entry outside shard 0."""
+    if value.dim() == 0 and layout.shard != 0:
+        return None
+    return _local_rows(value, layout).detach().to("cpu", copy=True)
+
+
+def _local_rows(value: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """``layout.shard``'s rows of ``value``, a view of this rank's local part (a 0-dim entry: itself)."""
     local, first_row = value, 0
     if isinstance(value, DTensor):
         shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
         local, first_row = value.to_local(), (offset[0] if offset else 0)
         assert tuple(local.shape) == tuple(shape) and tuple(shape[1:]) == tuple(value.shape[1:]), "dim-0 shards"
     if value.dim() == 0:
-        return local.detach().to("cpu", copy=True) if layout.shard == 0 else None
+        return local.detach()
     start, stop = row_bounds(value.shape[0], layout.num_shards, layout.shard)
     assert start == stop or first_row <= start and stop <= first_row + local.shape[0], "it holds its shard's rows"
-    return local[start - first_row:stop - first_row].detach().to("cpu", copy=True)
+    return local[start - first_row:stop - first_row].detach()
+
+
+def _shard_shape(shape: tuple[int, ...], num_shards: int, shard: int) -> tuple[int, ...]:
+    if not shape:
+        return ()
+    start, stop = row_bounds(shape[0], num_shards, shard)
+    return (stop - start, *shape[1:])
+
+
+def _packed_parts(entries: dict[str, _Entry], num_shards: int, shard: int) -> list[tuple[str, int, int]]:
+    """(key, offset, bytes) of each entry ``shard`` holds rows of, in ``entries``' order (0-dim ones in shard 0
+    only); each starts at a multiple of PACK_ALIGNMENT, so that it can be viewed as its dtype."""
+    parts, offset = [], 0
+    for key, entry in entries.items():
+        if not entry.shape and shard != 0:
+            continue
+        nbytes = math.prod(_shard_shape(entry.shape, num_shards, shard)) * entry.dtype.itemsize
+        parts.append((key, offset, nbytes))
+        offset += -(-nbytes // PACK_ALIGNMENT) * PACK_ALIGNMENT
+    return parts
 
 
 def _bounds(shape: tuple[int, ...], num_shards: int, shard: int) -> tuple[int, int] | None:

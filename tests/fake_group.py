@@ -55,6 +55,10 @@ class FakeGroup:
         self.config_hash = config_hash
         self.stop_at_boundary = False
         self.shard_copies: list | None = None
+        self.refused: dict[str, str] = {}
+        """Checkpoints whose loaders find a file altered -> why (``restore`` refuses them)."""
+        self.start_failures: list = []
+        """StartFailures to report (``take_start_failures``)."""
         """What each member reports it kept of sharded state at the next join (None: nothing)."""
         self.nodes: dict[str, str] = {}
         """Member name -> node id (none by default)."""
@@ -104,11 +108,11 @@ class FakeGroup:
     def form(self, *, run_step: int) -> list[JoinReport]:
         self._call("join")
         self.generation += 1
-        copies = self.shard_copies or [None] * self.size
+        copies = self.shard_copies or [()] * self.size
         if not self.replicated:  # sharded state is built afresh for every group
             self.steps = dict.fromkeys(self.members, 0)
-        return [JoinReport(node_id="node", step=self.steps.setdefault(name, 0), shard_copy=copy)
-                for name, copy in zip(self.members, copies, strict=True)]
+        return [JoinReport(node_id="node", step=self.steps.setdefault(name, 0), shard_copies=held)
+                for name, held in zip(self.members, copies, strict=True)]
 
     def call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1) -> list:
         self._call(method)
@@ -117,8 +121,11 @@ class FakeGroup:
             self.steps = {name: self.steps[source] for name in self.members}
             return [self.steps[source]] * self.size
         if method == "restore":
-            self.steps = {name: args[0][1] for name in self.members}
-            return [args[0][1]] * self.size
+            path, step = args[0]
+            if path in self.refused:
+                return [self.refused[path]] * self.size
+            self.steps = {name: step for name in self.members}
+            return [None] * self.size
         if method == "restore_from_peers":
             self.steps = dict.fromkeys(self.members, args[0][0].step)
             return [args[0][0].step] * self.size
@@ -207,10 +214,15 @@ class FakeGroup:
         self.ready += promoted
         return len(promoted)
 
+    def take_start_failures(self) -> list:
+        taken, self.start_failures = self.start_failures, []
+        return taken
+
     def wait_for_joiners(self, timeout_s: float) -> None:
         self.calls.append("wait_for_joiners")
 
     def admit_ready_joiners(self) -> dict[str, bool]:
+        self._call("admit_ready_joiners")
         admitted, self.ready = self.ready, []
         self.members += admitted
         return dict.fromkeys(admitted, False)

@@ -97,3 +97,20 @@ class SlowBuildDigits(_DigitsBase):
 
 def marker_path(directory: Path, name: str) -> str:
     return str(directory / f"{name}.marker")
+
+
+class FailingEvaluationDigits(_DigitsBase):
+    """A bug in the user's evaluation: ``evaluate`` raises (the first time it runs, at the run's end)."""
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        raise ValueError("the evaluation set is empty")
+
+
+class MissingDataOnNewNodes(_DigitsBase):
+    """Its data is on the first ``healthy`` workers' nodes only: every worker started after them fails to build
+    the workload, as one placed on a node without ``data_dir`` does."""
+
+    def __init__(self, marker: str, healthy: int = 2) -> None:
+        super().__init__()
+        if not any(_claim(f"{marker}.{index}") for index in range(healthy)):
+            raise FileNotFoundError(f"data_dir /data/digits does not exist on {os.uname().nodename}")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -32,6 +36,23 @@ def run_status(history: list[dict], events: list[dict] = (), evaluations: list[d
     return RunStatus(state="running", generation=0, world_size=2, step=history[-1]["step"] if history else 0,
                      members=[], failures=0, history=list(history), events=[Event.from_dict(e) for e in events],
                      evaluations=list(evaluations))
+
+
+def sigkill_ranks_once(step: int, ranks: tuple[int, ...]) -> tuple[Callable[[RunStatus], None], dict[str, Any]]:
+    """An on_progress callback that SIGKILLs the workers of ``ranks`` from outside, together, once generation 0
+    has committed ``step`` steps; returns it and what it did (the workers, the step it saw)."""
+    done: dict[str, Any] = {}
+
+    def on_progress(progress: RunStatus) -> None:
+        if done or progress.generation != 0 or progress.step < step:
+            return
+        names = [progress.members[rank] for rank in ranks]
+        pids = ray.get([ray.get_actor(name).pid.remote() for name in names])
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        done.update(workers=names, step=progress.step)
+
+    return on_progress, done
 
 
 def load_model(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -114,3 +114,23 @@ def train_with_saves(strategy_name: str, steps: int, checkpoint_root: str, every
                               world_size=dist.get_world_size()).result()
             saved.append(step + 1)
     return saved
+
+
+def train_job_alone(job, workload_options: dict | None = None) -> dict[str, torch.Tensor]:
+    """``job``'s model after ``training.steps`` steps on one rank (ddp, one micro-batch a step): the undisturbed
+    run that an elastic run of the same job must end allclose to. ``workload_options`` replace the job's (a
+    test's pause, which changes no math, left out)."""
+    workload = load_workload(job.workload.name, workload_options if workload_options is not None
+                             else job.workload.options)
+    strategy = build_strategy(StrategyConfig(name="ddp"))
+    torch.manual_seed(job.training.seed)
+    state = strategy.setup(workload.build_model, optimizer_factory(job.optim), torch.device("cpu"), None,
+                           GroupContext(node_ids=("node",), completed_steps=0))
+    dataset = workload.train_dataset()
+    runner = StepRunner(workload=workload, dataset=dataset, strategy=strategy, optim=job.optim,
+                        total_steps=job.training.steps, seed=job.training.seed, micro_batch_size=None,
+                        order=GlobalSampleOrder(len(dataset), job.training.global_batch_size, job.training.seed),
+                        device=torch.device("cpu"))
+    for step in range(job.training.steps):
+        runner.run(state, step)
+    return {name: tensor.detach().clone() for name, tensor in state.model.state_dict().items()}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from strategies.checkpoint import complete_checkpoints, newest_loadable
-from strategies.checkpoint_manifest import MANIFEST_NAME
+from strategies.checkpoint import complete_checkpoints, newest_complete, newest_loadable, verify_for_load
+from strategies.checkpoint_manifest import MANIFEST_NAME, checksum_share
 from strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT
 from tests.distributed_harness import run_distributed
@@ -66,6 +66,17 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(two_checkpoints, d
     else:
         assert len(rejected) == 1 and reason in rejected[0].reason
     load_full_model_state(found.path)  # the fallback loads
+
+
+def test_the_head_checks_sizes_and_the_loading_ranks_share_the_checksums(two_checkpoints):
+    newest = complete_checkpoints(str(two_checkpoints))[-1]
+    damage_flip_a_byte(newest.path)
+    assert newest_complete(str(two_checkpoints)) == (newest, [])  # the same size: the head read no data
+    shares = [checksum_share(newest.manifest, rank, 2) for rank in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(newest.manifest.files) and all(shares)  # each file once
+    assert run_distributed(verify_for_load, 2, newest.path) == [f"{shard_files(newest.path)[0].name} does not match "
+                                                                "its checksum"] * 2
+    assert run_distributed(verify_for_load, 2, complete_checkpoints(str(two_checkpoints))[0].path) == [None, None]
 
 
 def test_manifest_records_the_data_cursor_versions_and_checksums(two_checkpoints):

@@ -27,6 +27,7 @@ from actors.run_states import (
 )
 from actors.worker_group import MemberRaised
 from strategies.checkpoint import latest_checkpoint
+from strategies.peer_restore import ShardCopy
 from tests.fake_group import STEPS, FakeGroup, controller, events, lose, states_until_end, with_member, write_checkpoint
 
 pytestmark = pytest.mark.timeout(10)
@@ -60,6 +61,9 @@ def _in_state(tmp_path, state: str, strategy: str) -> tuple[Controller, FakeGrou
         run.state = Running()
     elif state == "resizing":  # w2 leaves: its shards are saved first
         run.state, run.step, group.steps, group.draining = Resizing(), 3, {name: 3 for name in group.members}, {"w2"}
+        # w0 and w1 (should w2 be lost) hold their own shards and, as buddies, w2's and w0's
+        group.shard_copies = [tuple(ShardCopy(0, 3, 1, rank, 3, holder) for rank, holder in held)
+                              for held in ([(0, "own"), (2, "buddy")], [(1, "own"), (0, "buddy")])]
     else:
         run.state, run.step, group.steps = Finishing(), STEPS, {name: STEPS for name in group.members}
     return run, group
@@ -192,3 +196,59 @@ def test_progress_reports_the_state(tmp_path):
     run.advance()
     assert run.progress().state == "running" and run.progress().generation == 0
     assert Placing().name == "placing"
+
+
+# -- what a failed run keeps, and what it refuses to do ---------------------------------------------------------
+
+
+def test_finishing_saves_then_gathers_then_evaluates_and_a_failed_evaluation_keeps_both(tmp_path):
+    run, group = controller(tmp_path, "strategy.name=zero3")
+    run.state, run.step, group.steps = Finishing(), STEPS, {"w0": STEPS, "w1": STEPS}
+    group.fail("evaluate", MemberRaised("w0 raised an error in evaluate\nTraceback: ValueError: empty eval set"))
+    failed = run.advance()
+    assert [c for c in group.calls if c in ("save_checkpoint", "full_state_dict", "evaluate")] == [
+        "save_checkpoint", "full_state_dict", "evaluate"]
+    assert isinstance(failed, Failed) and failed.model_state == {}  # the fake's gathered model
+    assert "empty eval set" in failed.reason and f"step_{STEPS:08d}" in failed.reason.split("\n")[0]
+    with pytest.raises(RunFailed) as raised:
+        run.run()
+    assert raised.value.model_state == {}
+
+
+def test_a_sharded_run_that_lost_a_shard_with_no_copy_and_no_checkpoint_fails_rather_than_restart(tmp_path):
+    run, group = controller(tmp_path, "strategy.name=zero2", "scaling.min_workers=1", workers=3)
+    run.state, run.step = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), 9
+    run.advance()
+    failed = run.advance()
+    assert isinstance(failed, Failed) and "join" in group.calls and "restore" not in group.calls
+    assert failed.reason.startswith("the sharded state of step 9 is lost: a worker and its buddy")
+    assert "rather than start over from step 0" in failed.reason and not events(run, "generation_formed")
+
+
+def test_workers_that_cannot_start_are_reported_and_fail_the_run_naming_the_error(tmp_path):
+    from actors.membership import StartFailure, WorkersCannotStart
+
+    run, group = controller(tmp_path, "scaling.min_workers=1")
+    run.state = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time())
+    group.start_failures = [StartFailure("w7", "node-b", "ModuleNotFoundError: No module named 'mypkg'")]
+    group.fail("admit_ready_joiners", WorkersCannotStart("3 new workers in a row could not start: ModuleNotFoundError"))
+    failed = run.advance()
+    assert isinstance(failed, Failed) and "ModuleNotFoundError" in failed.reason
+    [started] = events(run, "worker_start_failed")
+    assert (started["worker"], started["node_id"], started["error"]) == (
+        "w7", "node-b", "ModuleNotFoundError: No module named 'mypkg'")
+
+
+def test_a_checkpoint_its_loaders_refuse_is_passed_over_for_the_next_one(tmp_path):
+    run, group = controller(tmp_path, "strategy.name=zero2", "scaling.min_workers=1", workers=3)
+    for step in (5, 10):
+        write_checkpoint(tmp_path / f"step_{step:08d}", step, 3, run.job.math_hash())
+    newest = str(tmp_path / "step_00000010")
+    group.refused[newest] = "__1_0.distcp does not match its checksum"
+    run.state, run.step = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), 12
+    run.advance()
+    assert isinstance(run.advance(), Forming) and run.step == 12  # refused: nothing loaded, formed again
+    assert isinstance(run.advance(), Running) and run.step == 5
+    [rejected] = events(run, "checkpoint_rejected")
+    assert (rejected["path"], rejected["reason"]) == (newest, "__1_0.distcp does not match its checksum")
+    assert events(run, "generation_formed")[-1]["state_source"] == "checkpoint"

@@ -85,7 +85,7 @@ def test_sharded_state_kept_by_the_survivors_is_restored_from_memory_not_disk(tm
                             workers=4)
     write_checkpoint(tmp_path / "step_00000005", 5, 4, run.job.math_hash())  # older than what the peers hold
     run.state, run.step = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), 9
-    group.shard_copies = [ShardCopy(generation=0, world_size=4, replicas=2, rank=rank, step=9) for rank in (0, 2, 3)]
+    group.shard_copies = [(ShardCopy(generation=0, world_size=4, replicas=2, rank=rank, step=9),) for rank in (0, 2, 3)]
     run.advance()
     assert isinstance(run.advance(), Running) and run.step == 9
     formed = events(run, "generation_formed")[0]
@@ -99,7 +99,7 @@ def test_a_sharded_run_that_lost_both_copies_of_a_shard_goes_to_its_checkpoint(t
     write_checkpoint(tmp_path / "step_00000005", 5, 4, run.job.math_hash())
     run.state, run.step = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), 9
     # old ranks 1 and 3 held shard 1: both gone
-    group.shard_copies = [ShardCopy(generation=0, world_size=4, replicas=2, rank=rank, step=9) for rank in (0, 2)]
+    group.shard_copies = [(ShardCopy(generation=0, world_size=4, replicas=2, rank=rank, step=9),) for rank in (0, 2)]
     run.advance()
     run.advance()
     formed = events(run, "generation_formed")[0]
@@ -113,7 +113,8 @@ def test_a_sharded_scale_up_moves_the_state_over_in_memory_without_a_save(tmp_pa
     group.on_poll(lambda status: dataclasses.replace(status, num_placeable=1))
     assert isinstance(run.advance(), Resizing)
     step = run.step
-    group.shard_copies = [ShardCopy(generation=0, world_size=2, replicas=1, rank=r, step=step) for r in (0, 1)] + [None]
+    group.shard_copies = [(ShardCopy(generation=0, world_size=2, replicas=1, rank=r, step=step),)
+                          for r in (0, 1)] + [()]
     run.advance()
     run.advance()
     assert "save_checkpoint" not in group.calls and events(run, "generation_formed")[-1]["state_source"] == "peers"

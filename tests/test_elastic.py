@@ -172,9 +172,9 @@ class _Blocker:
         return True
 
 
-def test_zero3_worker_killed_restores_lost_shards_from_checkpoint(tmp_path, reference):
-    result, state = run_disturbed(tmp_path, "zero3", "strategy.name=zero3", "checkpoint.every_steps=5",
-                                  "faults=[{action: kill, rank: 1, step: 13}]")
+def test_zero3_worker_killed_without_a_buddy_copy_restores_lost_shards_from_checkpoint(tmp_path, reference):
+    result, state = run_disturbed(tmp_path, "zero3", "strategy.name=zero3", "strategy.buddy_copy=false",
+                                  "checkpoint.every_steps=5", "faults=[{action: kill, rank: 1, step: 13}]")
     assert_same_as_reference(result, state, reference)
     formed = [e for e in result.events if e.type == "generation_formed"]
     assert formed[1].details["state_source"] == "checkpoint" and formed[1].step == 10  # redoes steps 11-12 only

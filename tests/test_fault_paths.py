@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import ray
@@ -90,7 +91,7 @@ def test_a_hung_worker_is_blamed_not_the_peers_that_timed_out_waiting_for_it(tmp
     run_dir = tmp_path / "hang"
     config = job(*BASE, "workload.name=tests.fault_workloads:HangingDigits",
                  f"workload.options={{step: 10, rank: 1, marker: {marker_path(tmp_path, 'hang')}}}",
-                 "failure.collective_timeout_s=3", name="hang")
+                 "failure.collective_timeout_s=30", "failure.step_timeout_s=10", name="hang")  # the defaults
     result = train(config, run_dir=run_dir)
     failed = events_of(result, "worker_failed")
     assert len(failed) == 1 and failed[0].details["reason"].startswith("hung")
@@ -203,3 +204,44 @@ def test_a_join_gives_up_on_a_training_thread_that_never_ends(tmp_path):
         ray.get(worker.join.remote(workers.assignment(1, 0, 1, timeout_s=1)), timeout=60)
     assert time.monotonic() - started < 20  # bounded by the collective timeout and the grace, not forever
     ray.kill(worker)
+
+
+def test_a_failed_final_evaluation_leaves_a_loadable_checkpoint_of_the_last_step(tmp_path):
+    config = job(*BASE, "strategy.name=zero2", "workload.name=tests.fault_workloads:FailingEvaluationDigits",
+                 name="evalfails")
+    with pytest.raises(RunFailed, match="the evaluation set is empty"):
+        train(config, run_dir=tmp_path)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "failed" and "the evaluation set is empty" in result["error"]
+    checkpoint = latest_checkpoint(str(tmp_path / "checkpoints"))  # one whose manifest and files verify
+    assert checkpoint is not None and checkpoint.manifest.step == STEPS and checkpoint.path in result["error"]
+    assert load_model(tmp_path).keys() == Digits().build_model().state_dict().keys()  # model.pt, gathered first
+
+
+def test_a_replacement_that_cannot_be_built_fails_the_run_naming_its_error_after_its_retries(tmp_path):
+    marker = marker_path(tmp_path, "healthy")
+    config = job(*BASE, "workload.name=tests.fault_workloads:MissingDataOnNewNodes",
+                 f"workload.options={{marker: {marker}}}", "faults=[{action: kill, rank: 1, step: 5}]",
+                 "failure.max_start_failures=2", name="nodata")
+    with pytest.raises(RunFailed, match="data_dir /data/digits does not exist") as raised:
+        train(config, run_dir=tmp_path / "run")
+    assert "2 new workers in a row could not start (failure.max_start_failures=2)" in str(raised.value)
+    started = events_of(tmp_path / "run", "worker_start_failed")
+    assert len(started) == 2 and all("data_dir /data/digits" in e.details["error"] and e.details["node_id"]
+                                     for e in started)
+
+
+def test_a_resume_passes_over_a_checkpoint_whose_loaders_find_a_file_altered(tmp_path):
+    base = (*BASE, "strategy.name=zero2", "checkpoint.every_steps=10")
+    train(job(*base, name="altered"), run_dir=tmp_path)
+    newest = latest_checkpoint(str(tmp_path / "checkpoints"))
+    shard = sorted(Path(newest.path).glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the same size: only a checksum tells
+    shard.write_bytes(bytes(data))
+    result = train(job(*base, f"training.steps={STEPS + 10}", name="altered"), run_dir=tmp_path)
+    [rejected] = events_of(result, "checkpoint_rejected")
+    assert rejected.details["path"] == newest.path and "does not match its checksum" in rejected.details["reason"]
+    formed = events_of(result, "generation_formed")[0]
+    assert (formed.details["state_source"], formed.step) == ("checkpoint", STEPS - 10)
+    assert result.final_step == STEPS + 10

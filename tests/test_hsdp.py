@@ -85,12 +85,12 @@ def _restore_in_survivors(store_dir: str, before: tuple[str, int], after: tuple[
     dist.init_process_group("gloo", store=dist.FileStore(f"{store_dir}/generation1", len(survivors)),
                             rank=survivors.index(rank), world_size=len(survivors), timeout=timedelta(seconds=60))
     copies = [None] * len(survivors)
-    dist.all_gather_object(copies, kept.copy)  # what the Controller reads from the JoinReports
+    dist.all_gather_object(copies, (kept.copy,))  # what the Controller reads from the JoinReports
     plan = plan_peer_restore(copies)
     if plan is None:
         return before_state, None, None
     strategy, state, _ = setup(after[0], "adamw", after[1])
-    load_full_state(strategy, state, None, gather_shards(kept, plan))
+    load_full_state(strategy, state, None, gather_shards([kept], plan))
     return before_state, _whole(strategy, state), plan
 
 

@@ -14,17 +14,14 @@ goes to a checkpoint).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import pytest
 import ray
 
-from actors.worker import JoinReport, TrainWorkerActor, WorkerSpec
 from jobconfig import FaultConfig
-from strategies.checkpoint import Checkpointer
 from strategies.peer_restore import ShardCopy, plan_peer_restore
-from strategies.process_group import GroupAssignment, host_store, new_store_prefix
-from tests.helpers import assert_states_close, job
+from tests.helpers import assert_states_close
+from tests.worker_actors import Workers, wait_while, workers_of
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -32,63 +29,7 @@ STEPS = 8
 KILLED = 1
 """Rank 1 of 4 holds shard 1, as rank 3 does."""
 COLLECTIVE_TIMEOUT_S = 30.0
-
-
-@dataclass
-class Workers:
-    """TrainWorker actors driven directly around one rendezvous store, as the Controller's WorkerGroup does."""
-
-    spec: WorkerSpec
-    store: object
-    prefix: str
-    ip: str
-
-    def start(self, count: int) -> list:
-        return [TrainWorkerActor.options(num_cpus=0.5, max_concurrency=2).remote(self.spec) for _ in range(count)]
-
-    def join(self, generation: int, actors: list) -> list[JoinReport]:
-        return ray.get([actor.join.remote(GroupAssignment(
-            generation=generation, rank=rank, world_size=len(actors), store_host=self.ip, store_port=self.store.port,
-            store_prefix=self.prefix, timeout_s=COLLECTIVE_TIMEOUT_S)) for rank, actor in enumerate(actors)],
-            timeout=120)
-
-    def restore_from_peers(self, actors: list, reports: list[JoinReport]) -> int:
-        plan = plan_peer_restore([report.shard_copy for report in reports])
-        assert plan is not None, reports
-        steps = ray.get([actor.restore_from_peers.remote(plan) for actor in actors], timeout=120)
-        assert steps == [plan.step] * len(actors)
-        return plan.step
-
-    def train(self, actors: list, until_step: int, faults: dict[int, FaultConfig] | None = None) -> None:
-        """Train to ``until_step``; with ``faults`` (by rank), start training and return at once."""
-        faults = faults or {}
-        ray.get([actor.train.remote(until_step, (faults[rank],) if rank in faults else ())
-                 for rank, actor in enumerate(actors)])
-        for actor in [] if faults else actors:
-            assert wait_while(actor, "training") == ("finished", until_step)
-
-    def model(self, actors: list) -> dict:
-        return ray.get([actor.full_state_dict.remote(rank == 0) for rank, actor in enumerate(actors)])[0]
-
-
-def wait_while(actor, phase: str) -> tuple[str, int]:
-    """The actor's phase and step once it is no longer ``phase``."""
-    status = ray.get(actor.poll.remote(0.0))
-    while status.phase == phase:
-        status = ray.get(actor.poll.remote(5.0, status.version), timeout=60)
-    assert status.phase != "failed" or status.error_cause == "peer_lost", status.error
-    return status.phase, status.step
-
-
-def workers_of(tmp_path, *overrides: str) -> Workers:
-    config = job(f"training.steps={STEPS}", *overrides, name="peers")
-    checkpointer = Checkpointer(root=str(tmp_path / "checkpoints"), every_steps=0, num_to_keep=1, config_hash="h",
-                                global_batch_size=config.training.global_batch_size)
-    spec = WorkerSpec(workload=config.workload, training=config.training, optim=config.optim,
-                      strategy=config.strategy, data=config.data, eval=config.eval, use_gpu=False, torch_threads=1,
-                      checkpointer=checkpointer)
-    ip = ray.util.get_node_ip_address()
-    return Workers(spec, host_store(ip), new_store_prefix(), ip)
+"""tests.worker_actors' default."""
 
 
 def undisturbed_then_from_seed(workers: Workers, actors: list) -> dict:
@@ -101,7 +42,7 @@ def undisturbed_then_from_seed(workers: Workers, actors: list) -> dict:
 
 
 def test_zero3_with_two_copies_recovers_a_lost_worker_from_memory_and_a_new_one_joins_from_peers(tmp_path):
-    workers = workers_of(tmp_path, "strategy.name=zero3", "strategy.replicas=2")
+    workers = workers_of(tmp_path, STEPS, "strategy.name=zero3", "strategy.replicas=2")
     actors = workers.start(4)
     undisturbed = undisturbed_then_from_seed(workers, actors)
     workers.train(actors, STEPS, faults={KILLED: FaultConfig(action="ray_kill", rank=KILLED, step=4)})
@@ -111,15 +52,15 @@ def test_zero3_with_two_copies_recovers_a_lost_worker_from_memory_and_a_new_one_
     started = time.monotonic()
     reports = workers.join(2, survivors)  # also the one blocked in a collective with a survivor, not the lost
     assert time.monotonic() - started < COLLECTIVE_TIMEOUT_S / 2  # rank: released when that survivor left
-    assert [r.shard_copy for r in reports] == [ShardCopy(generation=1, world_size=4, replicas=2, rank=rank, step=3)
-                                               for rank in (0, 2, 3)]
-    assert plan_peer_restore([r.shard_copy for r in reports]).senders == (0, 2)  # shard 1 from old rank 3
+    assert [r.shard_copies for r in reports] == [(ShardCopy(generation=1, world_size=4, replicas=2, rank=rank, step=3),)
+                                                 for rank in (0, 2, 3)]
+    assert plan_peer_restore([r.shard_copies for r in reports]).senders == (0, 2)  # shard 1 from old rank 3
     assert workers.restore_from_peers(survivors, reports) == 3
     workers.train(survivors, 5)
 
     grown = [*survivors, *workers.start(1)]  # a new worker receives its shard from the peers, not from disk
     reports = workers.join(3, grown)
-    assert reports[-1].shard_copy is None and reports[0].shard_copy.world_size == 3
+    assert reports[-1].shard_copies == () and reports[0].shard_copies[0].world_size == 3
     assert workers.restore_from_peers(grown, reports) == 5
     workers.train(grown, STEPS)
     assert_states_close(workers.model(grown), undisturbed)
@@ -129,14 +70,14 @@ def test_zero3_with_two_copies_recovers_a_lost_worker_from_memory_and_a_new_one_
         ray.kill(grown[rank])
     left = [grown[1], grown[3]]
     reports = workers.join(4, left)
-    assert {r.shard_copy.rank for r in reports} == {1, 3}
-    assert plan_peer_restore([r.shard_copy for r in reports]) is None
+    assert {copy.rank for r in reports for copy in r.shard_copies} == {1, 3}
+    assert plan_peer_restore([r.shard_copies for r in reports]) is None
     for actor in left:
         ray.kill(actor)
 
 
 def test_zero1_with_two_copies_recovers_a_lost_worker_from_memory(tmp_path):
-    workers = workers_of(tmp_path, "strategy.name=zero1", "strategy.replicas=2")
+    workers = workers_of(tmp_path, STEPS, "strategy.name=zero1", "strategy.replicas=2")
     actors = workers.start(4)
     undisturbed = undisturbed_then_from_seed(workers, actors)
     workers.train(actors, 3)

@@ -47,15 +47,17 @@ def test_row_bounds_split_as_torch_chunk_does(rows, num_shards):
         assert list(range(start, stop)) == expected
 
 
-def copies_of(generation: int, world_size: int, replicas: int, ranks: list[int], step: int) -> list[ShardCopy]:
-    return [ShardCopy(generation=generation, world_size=world_size, replicas=replicas, rank=rank, step=step)
+def copies_of(generation: int, world_size: int, replicas: int, ranks: list[int], step: int
+              ) -> list[tuple[ShardCopy]]:
+    """What each new rank holds: the old rank's own copy, one per new rank."""
+    return [(ShardCopy(generation=generation, world_size=world_size, replicas=replicas, rank=rank, step=step),)
             for rank in ranks]
 
 
 def test_the_docstring_example():
     copies = copies_of(0, 4, 2, [0, 2, 3], 7)
     assert plan_peer_restore(copies) == PeerRestorePlan(generation=0, world_size=4, replicas=2, step=7, senders=(0, 2))
-    assert plan_peer_restore([copies[0], copies[1], None]) is None
+    assert plan_peer_restore([copies[0], copies[1], ()]) is None
 
 
 def _oracle(world_size: int, replicas: int, new_order: list[int | None]) -> tuple[int, ...] | None:
@@ -76,7 +78,7 @@ def test_every_loss_of_every_layout_against_an_oracle(world_size):
                                                        for count in range(world_size + 1)):
             new_order: list[int | None] = [*survivors, *[None] * shuffle.randint(0, 2)]
             shuffle.shuffle(new_order)
-            copies = [None if old is None else ShardCopy(3, world_size, replicas, old, 11) for old in new_order]
+            copies = [() if old is None else (ShardCopy(3, world_size, replicas, old, 11),) for old in new_order]
             plan = plan_peer_restore(copies)
             expected = _oracle(world_size, replicas, new_order)
             assert (plan.senders if plan else None) == expected, (replicas, new_order)
@@ -116,7 +118,7 @@ def test_of_two_complete_states_at_one_step_the_newer_generation_is_taken():
 
 def test_no_copies_no_plan():
     assert plan_peer_restore([]) is None
-    assert plan_peer_restore([None, None]) is None
+    assert plan_peer_restore([(), ()]) is None
 
 
 def test_two_new_ranks_reporting_the_same_old_rank_is_a_bug():

@@ -28,6 +28,7 @@ from actors.policies import (
     Resize,
     ScalingPolicy,
     ScalingState,
+    StateLost,
     WorkersLost,
     choose_state_source,
     needs_checkpoint_lookup,
@@ -186,33 +187,39 @@ def checkpoint(step: int) -> Checkpoint:
 
 @pytest.mark.parametrize("replicated", [True, False])
 def test_a_pending_checkpoint_is_always_loaded(replicated):
-    assert choose_state_source(replicated=replicated, pending=checkpoint(4), member_steps=[9, 9],
+    assert choose_state_source(replicated=replicated, pending=checkpoint(4), member_steps=[9, 9], run_step=9,
                                newest_checkpoint=checkpoint(8)) == FromCheckpoint(checkpoint(4))
 
 
 def test_replicated_state_comes_from_the_first_most_advanced_member():
-    assert choose_state_source(replicated=True, pending=None, member_steps=[3, 7, 7]) == FromRank(1)
+    assert choose_state_source(replicated=True, pending=None, member_steps=[3, 7, 7], run_step=7) == FromRank(1)
 
 
 def test_a_newer_checkpoint_beats_members_that_lost_the_newest_state():
     lookup = {"replicated": True, "pending": None, "peer_plan": None, "run_step": 7}
     assert needs_checkpoint_lookup(member_steps=[0, 2], **lookup)
     assert not needs_checkpoint_lookup(member_steps=[0, 7], **lookup)
-    assert choose_state_source(replicated=True, pending=None, member_steps=[0, 2],
+    assert choose_state_source(replicated=True, pending=None, member_steps=[0, 2], run_step=7,
                                newest_checkpoint=checkpoint(5)) == FromCheckpoint(checkpoint(5))
-    assert choose_state_source(replicated=True, pending=None, member_steps=[0, 6],
+    assert choose_state_source(replicated=True, pending=None, member_steps=[0, 6], run_step=7,
                                newest_checkpoint=checkpoint(5)) == FromRank(1)
 
 
-def test_sharded_state_without_a_checkpoint_starts_from_the_seed():
-    assert choose_state_source(replicated=False, pending=None, member_steps=[0, 0]) == FromSeed()
+def test_sharded_state_starts_from_the_seed_only_at_step_0():
+    assert choose_state_source(replicated=False, pending=None, member_steps=[0, 0], run_step=0) == FromSeed()
+
+
+def test_sharded_state_past_step_0_with_no_copy_and_no_checkpoint_is_lost_not_restarted():
+    assert choose_state_source(replicated=False, pending=None, member_steps=[0, 0], run_step=12) == StateLost(12)
+    assert choose_state_source(replicated=False, pending=None, member_steps=[0, 0], run_step=12,
+                               newest_checkpoint=checkpoint(5)) == FromCheckpoint(checkpoint(5))
 
 
 PLAN = PeerRestorePlan(generation=1, world_size=4, replicas=2, step=7, senders=(0, 2))
 
 
 def test_sharded_state_kept_in_memory_wins_over_disk_unless_the_checkpoint_is_newer():
-    sharded = {"replicated": False, "member_steps": [0, 0, 0]}
+    sharded = {"replicated": False, "member_steps": [0, 0, 0], "run_step": 7}
     assert choose_state_source(pending=None, peer_plan=PLAN, newest_checkpoint=None, **sharded) == FromPeers(PLAN)
     assert choose_state_source(pending=checkpoint(7), peer_plan=PLAN, **sharded) == FromPeers(PLAN)  # a resize
     assert choose_state_source(pending=checkpoint(8), peer_plan=PLAN, **sharded) == FromCheckpoint(checkpoint(8))
@@ -223,7 +230,7 @@ def test_a_sharded_run_looks_at_its_checkpoints_only_when_a_shard_is_gone():
     assert not needs_checkpoint_lookup(run_step=9, peer_plan=PLAN, **sharded)  # nothing read from disk
     assert needs_checkpoint_lookup(run_step=9, peer_plan=None, **sharded)
     assert not needs_checkpoint_lookup(run_step=0, peer_plan=None, **sharded)  # nothing trained yet
-    assert choose_state_source(peer_plan=None, newest_checkpoint=checkpoint(5), **sharded) == \
+    assert choose_state_source(peer_plan=None, newest_checkpoint=checkpoint(5), run_step=9, **sharded) == \
         FromCheckpoint(checkpoint(5))
 
 

@@ -1,0 +1,83 @@
+"""Sharded runs with the defaults (strategy.replicas 1, no periodic checkpoint) lose at most one step to a
+worker SIGKILLed from outside: its shard comes from its buddy's CPU copy (strategies/buddy_copy.py). With two
+copies the survivors' own shards suffice; a worker lost with its buddy sends the run to its newest checkpoint,
+and with none the run fails, saying so, rather than start over from step 0. The failure timeouts are the
+defaults.
+
+    python -m pytest tests/test_sharded_recovery.py -q     # about 2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from actors.controller import RunFailed
+from cluster.job import train
+from tests.distributed_harness import run_distributed
+from tests.helpers import assert_states_close, job, load_model, sigkill_ranks_once
+from tests.strategy_runs import train_job_alone
+
+STEPS = 150
+KILL_AT = 40
+WORKLOAD = ("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.01}")
+DEFAULT_TIMEOUTS = ("failure.collective_timeout_s=30",)  # tests.helpers.job shortens it; these are the defaults
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def sharded_job(name: str, strategy: str, *overrides: str, workers: int = 3):
+    return job(f"strategy.name={strategy}", f"scaling.min_workers={workers - 1}", f"scaling.max_workers={workers}",
+               f"training.steps={STEPS}", *WORKLOAD, *DEFAULT_TIMEOUTS, *overrides, name=name)
+
+
+def formed_after_failure(events) -> dict:
+    failed = next(i for i, e in enumerate(events) if e.type == "worker_failed")
+    return next(e for e in events[failed:] if e.type == "generation_formed").details
+
+
+@pytest.fixture(scope="module")
+def undisturbed():
+    """The same job trained on one rank, without the pause (it changes no math)."""
+    return run_distributed(train_job_alone, 1, sharded_job("undisturbed", "zero3"), {"pause_s": 0.0})[0]
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_an_outside_sigkill_loses_at_most_one_step_with_the_defaults(tmp_path, undisturbed, strategy):
+    on_progress, killed = sigkill_ranks_once(KILL_AT, (1,))
+    result = train(sharded_job(f"buddy{strategy}", strategy), run_dir=tmp_path, on_progress=on_progress)
+    formed = formed_after_failure(result.events)
+    where = f"killed {killed} at step {killed.get('step')}: {formed}"
+    assert killed and result.final_step == STEPS, where
+    assert formed["state_source"] == "buddy" and formed["steps_lost"] <= 1, where
+    # other world sizes sum in other orders (~1e-6 apart); a wrong shard would be off by whole steps (lr 1e-3)
+    assert_states_close(load_model(tmp_path), undisturbed, atol=1e-5)
+
+
+def test_with_two_copies_no_buddy_copy_is_read(tmp_path):
+    on_progress, killed = sigkill_ranks_once(KILL_AT, (1,))
+    result = train(sharded_job("replicas2", "zero3", "strategy.replicas=2", workers=4), run_dir=tmp_path,
+                   on_progress=on_progress)
+    formed = formed_after_failure(result.events)
+    assert killed and (formed["state_source"], formed["steps_lost"]) == ("peers", 0), formed
+
+
+def test_a_worker_lost_with_its_buddy_sends_the_run_to_its_newest_checkpoint(tmp_path):
+    on_progress, killed = sigkill_ranks_once(KILL_AT, (1, 2))  # rank 2 holds rank 1's copy
+    result = train(sharded_job("pair", "zero2", "checkpoint.every_steps=20", "scaling.min_workers=2", workers=4),
+                   run_dir=tmp_path, on_progress=on_progress)
+    formed = formed_after_failure(result.events)
+    assert killed and result.final_step == STEPS, formed
+    assert formed["state_source"] == "checkpoint" and 0 < formed["steps_lost"] < 20 + 1, formed
+
+
+def test_a_worker_lost_with_its_buddy_and_no_checkpoint_fails_the_run_saying_why(tmp_path):
+    on_progress, killed = sigkill_ranks_once(KILL_AT, (1, 2))
+    with pytest.raises(RunFailed, match=r"sharded state of step \d+ is lost: a worker and its buddy") as failure:
+        train(sharded_job("pairnone", "zero2", "scaling.min_workers=2", workers=4), run_dir=tmp_path,
+              on_progress=on_progress)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert killed and result["status"] == "failed" and "start over from step 0" in result["error"], failure.value
+    types = [e["type"] for e in result["events"]]
+    assert "generation_formed" not in types[types.index("worker_failed"):], types  # no generation from step 0

@@ -1,0 +1,82 @@
+"""Workers stopped (SIGSTOP: a frozen VM, a stopped process) where no step runs: while the group forms, and
+while a checkpoint is saved. Their peers and the Controller give up on them within the configured timeouts,
+and the run goes on. The run-level tests use the default failure timeouts.
+
+    python -m pytest tests/test_stalls.py -q     # about 2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from actors.run_status import RunStatus
+from cluster.job import train
+from tests.helpers import job
+from tests.worker_actors import workers_of
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+DEFAULT_TIMEOUTS = ("failure.collective_timeout_s=30", "failure.step_timeout_s=10")
+"""The defaults (tests.helpers.job shortens the collective timeout)."""
+
+
+def _stop_rank_while_forming(rank: int) -> tuple:
+    """An on_progress callback that SIGSTOPs the worker of ``rank`` once the first generation is forming."""
+    stopped: dict = {}
+
+    def on_progress(progress: RunStatus) -> None:
+        if not stopped and progress.state == "forming" and progress.generation == 0 and progress.members:
+            actor = ray.get_actor(progress.members[rank])
+            stopped.update(worker=progress.members[rank], pid=ray.get(actor.pid.remote()), at=time.monotonic())
+            os.kill(stopped["pid"], signal.SIGSTOP)
+
+    return on_progress, stopped
+
+
+def test_a_worker_stopped_while_the_group_forms_is_found_within_the_step_timeout(tmp_path):
+    on_progress, stopped = _stop_rank_while_forming(1)
+    config = job("strategy.name=zero2", "scaling.min_workers=1", "scaling.max_workers=2", "training.steps=30",
+                 "workload.name=tests.fault_workloads:SlowBuildDigits", "workload.options={delay_s: 4}",
+                 *DEFAULT_TIMEOUTS, name="joinstop")
+    try:
+        result = train(config, run_dir=tmp_path, on_progress=on_progress)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped["pid"], signal.SIGCONT) if stopped else None
+    failed = [e for e in result.events if e.type == "worker_failed"]
+    assert stopped and [e.details["worker"] for e in failed] == [stopped["worker"]], failed
+    assert "no answer" in failed[0].details["reason"] and "join" in failed[0].details["reason"], failed
+    assert result.final_step == 30
+
+
+def test_a_save_gives_up_on_a_stopped_peer_at_the_collective_timeout(tmp_path):
+    workers = workers_of(tmp_path, 4, "strategy.name=zero2", collective_timeout_s=5.0)
+    actors = workers.start(2)
+    workers.join(0, actors)
+    pid = ray.get(actors[1].pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match="could not write checkpoint|Timed out|timeout"):
+            ray.get(actors[0].save_checkpoint.remote(), timeout=300)  # gloo's own default: 30 minutes
+        assert time.monotonic() - started < 120
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        for actor in actors:
+            ray.kill(actor)
+
+
+def test_a_worker_stopped_amid_async_saves_is_replaced_and_its_peer_carries_on(tmp_path):
+    config = job("scaling.min_workers=1", "scaling.max_workers=2", "training.steps=30", "checkpoint.every_steps=1",
+                 "checkpoint.async_save=true", "faults=[{action: stall, rank: 1, step: 12}]", *DEFAULT_TIMEOUTS,
+                 name="savestop")
+    result = train(config, run_dir=tmp_path)
+    failed = [e for e in result.events if e.type == "worker_failed"]
+    assert len(failed) == 1 and "no answer" in failed[0].details["reason"], failed  # the survivor was not blamed
+    assert result.final_step == 30
