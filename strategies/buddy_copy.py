@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strategies.base import Strategy, TrainState
+from strategies.base import Strategy, TrainState, scaler_entries
 from strategies.peer_restore import ShardCopy
-from strategies.shard_copy import KeptShards, entries_of, pack_shard, packed_size, shard_state, unpack_shard
+from strategies.shard_copy import KeptShards, ShardPacker, local_storage, packed_size, shard_state, unpack_shard
 from strategies.shard_layout import ShardLayout
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class BuddyCopies:
         self._received: _Snapshot | None = None
         """The left neighbour's newest complete copy."""
         self._in_flight: _Exchange | None = None
+        self._packed_by: tuple[int | None, ShardPacker] | None = None
+        """(the optimizer state's size it was made for, or None: made anew each step; the packer)."""
         self._free_own: list[torch.Tensor] = []
         self._free_received: list[torch.Tensor] = []
 
@@ -88,20 +90,38 @@ class BuddyCopies:
         """After step ``step`` was committed (or the generation's state set up at it): snapshot this rank's shard
         and post its exchange; nothing at step 0, which every rank rebuilds from the seed."""
         self.finish()
-        flat = shard_state(strategy, state, scaler, step)
-        if flat is None:
+        if step == 0 or getattr(state.optimizer, "stepping", False):
             return
-        entries = entries_of(flat)
+        packer = self._packer(strategy, state, scaler, step)
+        if packer is None:
+            return
         for older in self._own[:-1]:  # step k committed: every rank holds its neighbour's copy of step k - 1
             self._free_own.append(older.buffer)
         self._own = self._own[-1:]
-        own = self._buffer(self._free_own, packed_size(entries, self.layout.world_size, self.layout.rank))
-        pack_shard(flat, self.layout, entries, own)
-        self._own.append(_Snapshot(step, entries, own))
-        receiving = self._buffer(self._free_received, packed_size(entries, self.layout.world_size, self.left.rank))
+        own = self._buffer(self._free_own, packer.size)
+        packer.pack(own, fresh=scaler_entries(scaler))
+        self._own.append(_Snapshot(step, packer.entries, own))
+        receiving = self._buffer(self._free_received, packed_size(packer.entries, self.layout.world_size,
+                                                                  self.left.rank))
         works = [dist.isend(own, group=self.group, group_dst=self.right),
                  dist.irecv(receiving, group=self.group, group_src=self.left.rank)]
-        self._in_flight = _Exchange(step, entries, receiving, works)
+        self._in_flight = _Exchange(step, packer.entries, receiving, works)
+
+    def _packer(self, strategy: Strategy, state: TrainState, scaler: torch.amp.GradScaler | None, step: int
+                ) -> ShardPacker | None:
+        """The packer of this state: made again only when the optimizer's state grew (built late for a parameter
+        that had no gradient before), or every step where the strategy's state dict holds copies, not the live
+        tensors (then the views would not follow the training)."""
+        optimizer = getattr(state.optimizer, "inner", state.optimizer)
+        signature = sum(len(per_parameter) for per_parameter in optimizer.state.values())
+        if self._packed_by is None or self._packed_by[0] != signature:
+            flat = shard_state(strategy, state, scaler, step)
+            if flat is None:
+                return None
+            again = strategy.state_dict(state)
+            live = all(local_storage(value) == local_storage(flat[key]) for key, value in again.items())
+            self._packed_by = (signature if live else None, ShardPacker(flat, self.layout))
+        return self._packed_by[1]
 
     def finish(self) -> None:
         """Wait for the exchange in flight (up to the group's timeout); raises when a neighbour is lost."""

@@ -108,15 +108,50 @@ def packed_size(entries: dict[str, _Entry], num_shards: int, shard: int) -> int:
     return parts[-1][1] + parts[-1][2] if parts else 0
 
 
+class ShardPacker:
+    """This rank's shard of a flat state, packed into a byte buffer again and again (``pack_shard``'s layout):
+    the rows of every entry, as views of the live tensors, and where each goes in a buffer are worked out
+    once - a DTensor's offsets and the views cost more than copying a small shard does. Valid while the live
+    tensors are updated in place (an optimizer's step, FSDP's sharded parameters), not replaced."""
+
+    def __init__(self, flat: dict[str, torch.Tensor], layout: ShardLayout) -> None:
+        self.layout = layout
+        self.entries = entries_of(flat)
+        self.size = packed_size(self.entries, layout.num_shards, layout.shard)
+        self._parts = [(key, offset, nbytes, _local_rows(flat[key], layout))
+                       for key, offset, nbytes in _packed_parts(self.entries, layout.num_shards, layout.shard)]
+        self._targets: dict[tuple[int, int], list[torch.Tensor]] = {}
+        """(a buffer's address, size) -> the views of it that the parts are copied into."""
+
+    def pack(self, out: torch.Tensor, fresh: dict[str, torch.Tensor] | None = None) -> None:
+        """Copy the rows into ``out`` (``self.size`` bytes); entries of ``fresh`` (the loss scaler's, which are
+        copies made anew) are taken from there. From a GPU, without a whole shard's temporary there."""
+        key_of_buffer = (out.data_ptr(), out.numel())
+        if key_of_buffer not in self._targets:
+            if len(self._targets) > 4:  # buffers come and go: keep the views of the few in use
+                self._targets.clear()
+            self._targets[key_of_buffer] = [out[offset:offset + nbytes].view(rows.dtype).view(rows.shape)
+                                            for _, offset, nbytes, rows in self._parts]
+        pinned = out.is_pinned()
+        for (key, _, _, rows), target in zip(self._parts, self._targets[key_of_buffer], strict=True):
+            source = _local_rows(fresh[key], self.layout) if fresh and key in fresh else rows
+            target.copy_(source, non_blocking=pinned)
+        if pinned:
+            torch.cuda.current_stream().synchronize()  # the copies from the GPU are in; the buffer may be sent
+
+
 def pack_shard(flat: dict[str, torch.Tensor], layout: ShardLayout, entries: dict[str, _Entry],
                out: torch.Tensor) -> None:
     """Copy this rank's rows of every entry of ``flat`` (``layout.shard``'s) into the byte buffer ``out``,
-    entry after entry in ``entries``' order; from a GPU, without a whole shard's temporary there."""
-    for key, offset, nbytes in _packed_parts(entries, layout.num_shards, layout.shard):
-        rows = _local_rows(flat[key], layout)
-        out[offset:offset + nbytes].view(rows.dtype).view(rows.shape).copy_(rows, non_blocking=out.is_pinned())
-    if out.is_pinned():
-        torch.cuda.current_stream().synchronize()  # the copies from the GPU are in; the buffer may be sent
+    entry after entry in ``entries``' order (``entries_of(flat)``)."""
+    packer = ShardPacker(flat, layout)
+    assert packer.entries == entries, "the entries are the flat state's"
+    packer.pack(out)
+
+
+def local_storage(value: torch.Tensor) -> int:
+    """The address of ``value``'s local data (a DTensor's local shard): the same while it is updated in place."""
+    return (value.to_local() if isinstance(value, DTensor) else value).data_ptr()
 
 
 def unpack_shard(entries: dict[str, _Entry], buffer: torch.Tensor, layout: ShardLayout) -> dict[str, torch.Tensor]:
