@@ -145,35 +145,51 @@ def recovery_drain(result: dict) -> list[str]:
 
 
 def redundancy(result: dict) -> list[str]:
-    medians, goals, met = result["medians"], result["goals"], result["goals_met"]
+    medians, held, sides = result["medians"], result["bytes_per_rank"], result["job"]["sides"]
     rows = []
-    for side, label in [("r2", "`strategy.replicas` 2"), ("r1", "`strategy.replicas` 1")]:
-        kill, sources = medians[f"kill_{side}"], result["state_sources"][f"kill_{side}"]
-        rows.append([label, ", ".join(f"{s} x{sources.count(s)}" for s in dict.fromkeys(sources)),
-                     f"{kill['steps_redone']:.0f}", f"**{kill['time_lost_s']:.2f}**", f"{kill['back_at_step_k_s']:.2f}",
-                     f"detected {kill['detected_s']:.2f}, generation formed {kill['generation_formed_s']:.2f}, "
-                     f"first step {kill['first_step_s']:.2f}, redo to step K {kill['redo_s']:.2f}",
-                     f"{kill['rejoin_time_lost_s']:.2f} ({kill['rejoin_joined_after_kill_s']:.1f} s after the kill)",
+    for side, label in sides.items():
+        kill, sources = medians[f"kill_{side}"], result["state_sources"][side]
+        rows.append([f"`{side}`: {label}", ", ".join(f"{s} x{sources.count(s)}" for s in dict.fromkeys(sources)),
+                     result["worst_round"][side]["steps_lost"], f"{kill['steps_redone']:.0f}",
+                     f"**{kill['time_lost_s']:.2f}**", f"detected {kill['detected_s']:.2f}, generation formed "
+                     f"{kill['generation_formed_s']:.2f}, first step {kill['first_step_s']:.2f}, redo to step K "
+                     f"{kill['redo_s']:.2f}", f"{kill['rejoin_time_lost_s']:.2f} (joined "
+                     f"{kill['rejoin_joined_after_kill_s']:.1f} s after the kill)",
                      f"{kill['time_lost_with_rejoin_s']:.2f}"])
-    ratios, held = result["r2_over_r1_samples_per_s"], result["bytes_per_rank"]
-    steady = {side: medians[f"steady_{side}"] for side in ("r2", "r1")}
-    byte_rows = [[f"`strategy.replicas` {replicas}", fmt(held[side]["formula_bytes_per_parameter"]),
-                  fmt(held[side]["max_bytes_per_parameter"], 3), f"{held[side]['max_over_formula']:.3f}"]
-                 for side, replicas in [("r2", 2), ("r1", 1)] if side in held]
+    speed = ", ".join(f"`{side}` {medians[f'steady_{side}']['samples_per_s']:,.0f}" for side in sides)
+    over = "; ".join(f"{side} / r1 {r['samples_per_s']} (per-round pairs {r['samples_per_s_paired_median']})"
+                     for side, r in result["over_r1_samples_per_s"].items())
+    byte_rows = [[f"`{side}`", fmt(b["formula_bytes_per_parameter"]), fmt(b["max_bytes_per_parameter"], 3),
+                  f"{b['max_over_formula']:.3f}", fmt(b["max_buddy_copies_bytes"] / held["parameters"], 2),
+                  f"{b['buddy_copies_over_shard']:.2f}" if b["max_buddy_copies_bytes"] else "-"]
+                 for side in sides if (b := held.get(side))]
     verdicts = {True: "met", False: "not met", None: "not measured"}
-    return ["A worker SIGKILLed mid-interval, medians over the rounds (time lost = back at step K - one step, s):", "",
-            table(["side", "state after the kill", "steps redone", "time lost", "back at step K",
-                   "breakdown, s", "replacement's rejoin, time lost", "time lost in all"], rows), "",
-            f"Steady state at 4 workers: R=2 / R=1 = **{ratios['samples_per_s']}x** samples/s "
-            f"({steady['r2']['samples_per_s']:,.0f} against {steady['r1']['samples_per_s']:,.0f}; per-round pairs "
-            f"{ratios['samples_per_s_paired_median']}, by median step {ratios['samples_per_s_median_step']}; the "
-            f"kill runs' pre-kill steps {ratios['pre_kill_samples_per_s']}).", "",
-            f"Bytes per rank of parameters, gradients and optimizer state ({held['parameters']:,} parameters, fp32 "
-            f"AdamW, N=4; R=2 / R=1 = **{held.get('r2_over_r1')}**):", "",
-            table(["side", "formula 16R/N, B/param", "measured (largest rank)", "measured / formula"], byte_rows), "",
-            "Goals (R=2): " + ", ".join(f"{k} {v}: {verdicts[met.get(k)]}" for k, v in goals.items()) + ".", "",
-            f"Job: {params_line(result['job'])}.", "", "Definitions:", ""] + [
-        f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
+    goals = "; ".join(f"{group}: " + ", ".join(f"{k} {v}: {verdicts[result['goals_met'][group].get(k)]}"
+                                               for k, v in goals.items()) for group, goals in result["goals"].items())
+    return ["A worker SIGKILLed mid-interval (digits), medians over the rounds (steps lost: committed steps lost, "
+            "worst round; time lost = back at step K - one step, s):", "",
+            table(["side", "state after the kill", "steps lost", "steps redone", "time lost", "breakdown, s",
+                   "replacement's rejoin, time lost", "time lost in all"], rows), "",
+            f"Digits steady state at 4 workers, samples/s: {speed}; {over}.", "",
+            f"Bytes per rank ({held['parameters']:,} parameters, fp32 AdamW, N=4; parameters + gradients + optimizer "
+            "state against 16R/N, and the buddy copies' host bytes beside them):", "",
+            table(["side", "formula 16R/N, B/param", "measured (largest rank)", "measured / formula",
+                   "buddy copies, B/param (host)", "copies / the rank's shard"], byte_rows), "",
+            *buddy_cost(result["buddy_cost"]), f"Goals: {goals}.", "", f"Job: {params_line(result['job'])}.", "",
+            "Definitions:", ""] + [f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
+
+
+def buddy_cost(cost: dict) -> list[str]:
+    """The redundancy benchmark's GPT pair: the buddy copy on against off."""
+    gpt, host = cost["medians"], cost["host_bytes"] or {}
+    return [f"The buddy copy's cost on the GPT recipe (zero3, 4 workers of 0.5 CPU, replicas 1, no periodic "
+            f"checkpoint): **{cost['paired_ratio_median']}x** samples/s with the copy against without (median of "
+            f"the rounds' {cost['paired_ratios']}; of the medians {cost['ratio_of_medians']}): "
+            f"{gpt['buddy']['samples_per_s']:,.1f} against {gpt['none']['samples_per_s']:,.1f}; the rank processes' "
+            f"CPU {gpt['buddy']['rank_cpu_ms_per_step']:,.0f} against {gpt['none']['rank_cpu_ms_per_step']:,.0f} ms "
+            f"per step. Host bytes of the copies: {host.get('max_buddy_copies_bytes', 0):,} on the largest rank, "
+            f"**{host.get('max_over_shard')}x** its shard ({host.get('shard_bytes_of_that_rank', 0):,} bytes of "
+            "parameters and optimizer state).", ""]
 
 
 def balance(result: dict) -> list[str]:
