@@ -286,8 +286,9 @@ class Controller:
 
     def _resize(self, state: Resizing) -> RunState:
         """At a step boundary: drained workers leave, ready joiners come in. Sharded state the leavers hold is
-        saved by the old group first and loaded, resharded, by the new one; with nobody leaving, every shard
-        stays in the members' memory and goes over to the new layout from there. Nothing is discarded."""
+        saved by the old group first; the new one loads it, resharded, where the members' copies do not hold the
+        same step (a leaver whose buddy leaves with it, or no buddy copy). With nobody leaving, every shard stays
+        in the members' memory and goes over to the new layout from there. Nothing is discarded."""
         restore = None
         if not self.replicated and self.group.num_leaving:
             path = self.group.call_all("save_checkpoint")[0]

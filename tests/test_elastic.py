@@ -31,6 +31,8 @@ STEPS = 40
 BASE = (f"training.steps={STEPS}", "training.record_samples=true", "scaling.min_workers=2",
         "scaling.max_workers=3", "failure.step_timeout_s=4")
 NUM_TRAIN_SAMPLES = len(Digits().train_dataset())
+LONG_COLLECTIVE_TIMEOUT_S = 120
+"""Set where a test checks that survivors did not wait out the collective timeout (asserting well under it)."""
 
 
 @pytest.fixture(scope="module")
@@ -66,22 +68,25 @@ def assert_applied_as_reference(result, reference):
 
 @pytest.mark.parametrize("action", ["kill", "ray_kill"])
 def test_worker_killed_mid_run_survivors_carry_on(tmp_path, reference, action):
-    result, state = run_disturbed(tmp_path, action, f"faults=[{{action: {action}, rank: 1, step: 15}}]")
+    result, state = run_disturbed(tmp_path, action, f"faults=[{{action: {action}, rank: 1, step: 15}}]",
+                                  f"failure.collective_timeout_s={LONG_COLLECTIVE_TIMEOUT_S}")
     assert_same_as_reference(result, state, reference)
     types = event_types(result)
     assert types.count("worker_failed") == 1 and "recovered" in types
     recovered = next(e for e in result.events if e.type == "recovered")
-    assert recovered.details["world_size"] == 2 and recovered.details["recovery_s"] < 10
+    assert recovered.details["world_size"] == 2
+    assert recovered.details["recovery_s"] < LONG_COLLECTIVE_TIMEOUT_S / 3  # the survivors did not wait it out
     assert all(e.details["steps_lost"] == 0 for e in result.events if e.type == "generation_formed")
 
 
 def test_stalled_worker_is_detected_and_replaced(tmp_path, reference):
-    started = time.monotonic()
-    result, state = run_disturbed(tmp_path, "stall", "faults=[{action: stall, rank: 2, step: 10}]")
+    result, state = run_disturbed(tmp_path, "stall", "faults=[{action: stall, rank: 2, step: 10}]",
+                                  f"failure.collective_timeout_s={LONG_COLLECTIVE_TIMEOUT_S}")
     assert_same_as_reference(result, state, reference)
     failed = next(e for e in result.events if e.type == "worker_failed")
-    assert "no answer" in failed.details["reason"]
-    assert time.monotonic() - started < 60
+    assert "no answer" in failed.details["reason"]  # found by failure.step_timeout_s (4 s)
+    recovered = next(e for e in result.events if e.type == "recovered")
+    assert recovered.details["recovery_s"] < LONG_COLLECTIVE_TIMEOUT_S / 3  # the survivors did not wait it out
 
 
 def test_two_failures_in_quick_succession(tmp_path, reference):
@@ -132,10 +137,11 @@ def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference
     types = event_types(result)
     assert "worker_joined" in types and "worker_left" in types and "worker_failed" not in types
     assert all(e.details["steps_lost"] == 0 for e in result.events if e.type == "generation_formed")
-    if strategy == "zero3":  # scale-up: the shards move over in memory; drain: the leaver's through a checkpoint
+    if strategy == "zero3":  # scale-up: the shards move over in memory; drain: the leaver's from its buddy's copy
+        # (the old group saves a checkpoint first, for a leaver whose buddy leaves with it; here it is not needed)
         assert sum(e.details.get("reason") == "membership change" for e in result.events) == 1
         formed = [e for e in result.events if e.type == "generation_formed"]
-        assert [e.details["state_source"] for e in formed[1:]] == ["peers", "checkpoint"], formed
+        assert [e.details["state_source"] for e in formed[1:]] == ["peers", "buddy"], formed
     saved_steps = [e.step for e in result.events if e.type == "checkpointed"]
     assert len(saved_steps) == len(set(saved_steps))  # one event per save
 
@@ -210,10 +216,11 @@ def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
 
 def test_below_min_workers_the_run_waits_for_a_replacement_started_in_a_warm_process(tmp_path, reference):
     """With scaling.warm_processes (the default), a process with the training modules imported waits on the
-    workers' node by the time of the kill, and the replacement is placed in it."""
+    workers' node by the time of the kill, and the replacement is placed in it. The kill comes ~10 s after the
+    workers were built: the process started then has imported the training modules (~2.5 s) even on a busy machine."""
     result, state = run_disturbed(tmp_path, "waits", "scaling.min_workers=3",
                                   "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.4}",
-                                  "faults=[{action: kill, rank: 0, step: 12}]")
+                                  "faults=[{action: kill, rank: 0, step: 25}]")
     assert_same_as_reference(result, state, reference)
     types = event_types(result)
     assert types.index("waiting_for_resources") < types.index("worker_joined") < types.index("recovered")

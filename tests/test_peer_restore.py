@@ -28,8 +28,8 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 STEPS = 8
 KILLED = 1
 """Rank 1 of 4 holds shard 1, as rank 3 does."""
-COLLECTIVE_TIMEOUT_S = 30.0
-"""tests.worker_actors' default."""
+COLLECTIVE_TIMEOUT_S = 120.0
+"""Long: the test checks that a survivor blocked in a collective did not wait it out (asserting well under it)."""
 
 
 def undisturbed_then_from_seed(workers: Workers, actors: list) -> dict:
@@ -42,7 +42,8 @@ def undisturbed_then_from_seed(workers: Workers, actors: list) -> dict:
 
 
 def test_zero3_with_two_copies_recovers_a_lost_worker_from_memory_and_a_new_one_joins_from_peers(tmp_path):
-    workers = workers_of(tmp_path, STEPS, "strategy.name=zero3", "strategy.replicas=2")
+    workers = workers_of(tmp_path, STEPS, "strategy.name=zero3", "strategy.replicas=2",
+                         collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     actors = workers.start(4)
     undisturbed = undisturbed_then_from_seed(workers, actors)
     workers.train(actors, STEPS, faults={KILLED: FaultConfig(action="ray_kill", rank=KILLED, step=4)})
@@ -51,7 +52,7 @@ def test_zero3_with_two_copies_recovers_a_lost_worker_from_memory_and_a_new_one_
     survivors = [actor for rank, actor in enumerate(actors) if rank != KILLED]
     started = time.monotonic()
     reports = workers.join(2, survivors)  # also the one blocked in a collective with a survivor, not the lost
-    assert time.monotonic() - started < COLLECTIVE_TIMEOUT_S / 2  # rank: released when that survivor left
+    assert time.monotonic() - started < COLLECTIVE_TIMEOUT_S / 3  # rank: released when that survivor left
     assert [r.shard_copies for r in reports] == [(ShardCopy(generation=1, world_size=4, replicas=2, rank=rank, step=3),)
                                                  for rank in (0, 2, 3)]
     assert plan_peer_restore([r.shard_copies for r in reports]).senders == (0, 2)  # shard 1 from old rank 3

@@ -64,12 +64,16 @@ def test_with_two_copies_no_buddy_copy_is_read(tmp_path):
 
 
 def test_a_worker_lost_with_its_buddy_sends_the_run_to_its_newest_checkpoint(tmp_path):
+    every = 15  # the kill comes mid-interval, unless the driver heard of step KILL_AT late
     on_progress, killed = sigkill_ranks_once(KILL_AT, (1, 2))  # rank 2 holds rank 1's copy
-    result = train(sharded_job("pair", "zero2", "checkpoint.every_steps=20", "scaling.min_workers=2", workers=4),
-                   run_dir=tmp_path, on_progress=on_progress)
-    formed = formed_after_failure(result.events)
-    assert killed and result.final_step == STEPS, formed
-    assert formed["state_source"] == "checkpoint" and 0 < formed["steps_lost"] < 20 + 1, formed
+    result = train(sharded_job("pair", "zero2", f"checkpoint.every_steps={every}", "scaling.min_workers=2",
+                               workers=4), run_dir=tmp_path, on_progress=on_progress)
+    failed = next(i for i, e in enumerate(result.events) if e.type == "worker_failed")
+    saved_before = [e.step for e in result.events[:failed] if e.type == "checkpointed"]
+    restored = next(e for e in result.events[failed:] if e.type == "generation_formed")
+    assert killed and result.final_step == STEPS, restored
+    assert restored.details["state_source"] == "checkpoint" and restored.details["steps_lost"] <= every, restored
+    assert restored.step == max(saved_before), (saved_before, restored)  # the newest one
 
 
 def test_a_worker_lost_with_its_buddy_and_no_checkpoint_fails_the_run_saying_why(tmp_path):

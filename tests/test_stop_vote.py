@@ -46,6 +46,6 @@ def test_every_rank_stops_after_the_same_step(world_size: int) -> None:
     assert all(rank_result == (voted, stopped) for rank_result in per_rank)  # one schedule, one stop step
     assert voted[:2] == [0, 1]  # a generation's first vote has no step time to go by
     intervals = [b - a for a, b in zip(voted, voted[1:], strict=False)]
-    assert max(intervals) > 2  # fast steps vote less often than every step ...
+    assert max(intervals) > 1  # fast steps vote less often than every step (a step under VOTE_PERIOD_S / 2) ...
     assert max(intervals) <= VOTE_PERIOD_S / step_s  # ... yet at least every VOTE_PERIOD_S
     assert stopped == min(v for v in voted if v >= stop_from)  # the first vote after the request stops

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -15,6 +17,9 @@ from actors.warm_start import ProcessStart, WarmProcesses
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.usefixtures("ray_local")
+
+ENVIRONMENT_MARKER = "RAYLASTIC_TEST_ENVIRONMENT"
+"""Set in a runtime environment of the test's own, to tell its processes from the others."""
 
 
 def test_the_setup_hook_imports_the_training_modules_without_touching_cuda():
@@ -44,7 +49,15 @@ class ProcessReporter:
 
 
 def idle_processes(raylet: psutil.Process) -> set[int]:
-    return {p.pid for p in raylet.children() if p.cmdline()[:1] == ["ray::IDLE"]}
+    """The raylet's idle processes for this task's runtime environment (others may start meanwhile: Ray keeps a
+    pool for the job's own environment)."""
+    marker = os.environ[ENVIRONMENT_MARKER]
+    idle = set()
+    for process in raylet.children():
+        with contextlib.suppress(psutil.Error):
+            if process.cmdline()[:1] == ["ray::IDLE"] and process.environ().get(ENVIRONMENT_MARKER) == marker:
+                idle.add(process.pid)
+    return idle
 
 
 @ray.remote(num_cpus=0)
@@ -65,7 +78,7 @@ def place_an_actor(top_up: bool) -> tuple[ProcessStart, float, set[int]]:
 
 @pytest.mark.parametrize("top_up", [True, False])
 def test_an_actor_placed_after_a_top_up_takes_the_process_started_ahead(top_up):
-    own_environment = {"env_vars": {"RAYLASTIC_TEST_ENVIRONMENT": uuid.uuid4().hex}}
+    own_environment = {"env_vars": {ENVIRONMENT_MARKER: uuid.uuid4().hex}}
     start, requested_at, started_ahead = ray.get(
         place_an_actor.options(runtime_env=own_environment).remote(top_up), timeout=180)
     assert start.imported is not None  # the job's setup hook ran in the actor's process
