@@ -43,7 +43,7 @@ from tests.helpers import assert_states_close, job, load_model
 
 COLLECTIVE_TIMEOUT_S = 120.0
 """Long: the run checks that the survivors did not wait it out (asserting well under it)."""
-STEPS = 600
+STEPS = 300
 KILLED_RANK = 1
 """Killed in generation 0 (4 ranks): ranks 2 and 3 survive with new ranks, 1 and 2, in generations 1 and 2."""
 KILL_AT_STEPS = (30, 90)
