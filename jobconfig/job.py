@@ -43,6 +43,9 @@ class JobConfig:
         if self.training.precision == "fp16" and self.strategy.name != "ddp":
             raise ValueError(f"training.precision=fp16 works with strategy.name=ddp only (its loss scaler checks "
                              f"whole gradients), got {self.strategy.name!r}; use bf16")
+        if self.strategy.offload and not self.scaling.use_gpu:
+            raise ValueError("strategy.offload=true needs scaling.use_gpu=true: FSDP2's CPU offload moves parameters "
+                             "between host and GPU memory; CPU workers hold them in host memory already")
         batch = self.training.global_batch_size
         if batch < self.scaling.max_workers:
             raise ValueError(f"training.global_batch_size ({batch}) cannot be split across "

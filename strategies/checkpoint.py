@@ -39,7 +39,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
 
 from strategies.checkpoint_manifest import (
     MARKER_NAME,
@@ -126,15 +125,16 @@ class Checkpointer:
                                       config_hash=self.config_hash, versions=_versions())
         with _as_write_error(directory):
             if not self.async_save:
-                written = dcp.save(state_dict, storage_writer=_writer(directory), process_group=group)
-                return _resolved(self._complete(directory, manifest, written, group))
+                dcp.save(state_dict, storage_writer=_writer(directory), process_group=group)
+                return _resolved(self._complete(directory, manifest, group))
             staged = dcp.async_save(state_dict, storage_writer=_writer(directory), process_group=group)
         done: Future = Future()
 
         def finish(result: Future) -> None:
             try:
                 with _as_write_error(directory):
-                    done.set_result(self._complete(directory, manifest, result.result(), group))
+                    result.result()
+                    done.set_result(self._complete(directory, manifest, group))
             except BaseException as error:  # noqa: BLE001 - in DCP's thread: only the future can report it
                 done.set_exception(error)
 
@@ -165,13 +165,12 @@ class Checkpointer:
             return _Preparation("failed", _cause(error))
         return _Preparation("write")
 
-    def _complete(self, directory: str, manifest: CheckpointManifest, written: Metadata,
-                  group: dist.ProcessGroup | None) -> str:
+    def _complete(self, directory: str, manifest: CheckpointManifest, group: dist.ProcessGroup | None) -> str:
         """Collective: every rank checksums the files it wrote (on its own disk, where a node's disk is
         local) and rank 0 writes the manifest of them all, last."""
         rank = dist.get_rank(group)
         try:
-            mine: dict[str, dict[str, Any]] | str = checksums(directory, _files_written(written, rank))
+            mine: dict[str, dict[str, Any]] | str = checksums(directory, _files_written(directory, rank))
         except Exception as error:  # noqa: BLE001 - sent to every rank instead
             mine = f"rank {rank}: {_cause(error)}"
         every: list[Any] = [None] * dist.get_world_size(group)
@@ -294,12 +293,13 @@ def _writer(directory: str) -> FileSystemWriter | FsspecWriter:
     return FsspecWriter(directory) if _is_url(directory) else FileSystemWriter(directory, sync_files=True)
 
 
-def _files_written(written: Metadata, rank: int) -> list[str]:
+def _files_written(directory: str, rank: int) -> list[str]:
     """The files of a save that ``rank`` (of the saving group) wrote: DCP's FileSystemWriter names each
-    rank's ``__<rank>_<n>.distcp``, and the coordinator, rank 0, writes ``.metadata``."""
-    data = {info.relative_path for info in written.storage_data.values()
-            if info.relative_path.startswith(f"__{rank}_")}
-    return sorted(data) + ([METADATA_NAME] if rank == 0 else [])
+    rank's ``__<rank>_<n>.distcp``, and the coordinator, rank 0, writes ``.metadata``. Read off the directory,
+    emptied before the save, since the metadata DCP's save returns lists no files in some torch versions."""
+    fs, path = filesystem(directory)
+    names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False))
+    return sorted(name for name in names if name.startswith(f"__{rank}_")) + ([METADATA_NAME] if rank == 0 else [])
 
 
 def _require_tensors(state_dict: dict[str, Any]) -> None:

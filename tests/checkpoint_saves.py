@@ -8,8 +8,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,8 @@ class Saves:
     """On this rank, writes during ``failing_steps`` fail as on a full disk: a file-size limit (the kernel
     answers EFBIG; Python ignores SIGXFSZ)."""
     failing_steps: tuple[int, ...] = ()
+    bare_dcp_result: bool = False
+    """DCP's save returns its metadata without ``storage_data`` (which files hold what), as torch 2.11's did."""
 
 
 def save_steps(saves: Saves) -> list[str]:
@@ -51,6 +55,8 @@ def save_steps(saves: Saves) -> list[str]:
     fails within 30 s."""
     checkpointer = Checkpointer(root=saves.root, every_steps=1, num_to_keep=saves.num_to_keep,
                                 config_hash=saves.config_hash, global_batch_size=1, async_save=saves.async_save)
+    if saves.bare_dcp_result:
+        _return_bare_metadata()
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     outcomes = []
     for step in saves.steps:
@@ -70,6 +76,23 @@ def save_steps(saves: Saves) -> list[str]:
             if failing:
                 resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     return outcomes
+
+
+def _return_bare_metadata() -> None:
+    import torch.distributed.checkpoint as dcp
+
+    def bare(metadata):
+        return dataclasses.replace(metadata, storage_data=None)
+
+    save, async_save = dcp.save, dcp.async_save
+    dcp.save = lambda *args, **kwargs: bare(save(*args, **kwargs))
+
+    def async_bare(*args, **kwargs):
+        staged, returned = async_save(*args, **kwargs), Future()
+        staged.add_done_callback(lambda done: returned.set_result(bare(done.result())))
+        return returned
+
+    dcp.async_save = async_bare
 
 
 def step_dirs(root: Path) -> list[str]:

@@ -42,6 +42,19 @@ def test_a_failed_write_fails_the_save_on_every_rank_naming_the_directory_and_ca
     assert newest_loadable(str(tmp_path))[0].manifest.step == 3
 
 
+@pytest.mark.parametrize("async_save", [True, False])
+def test_the_files_each_rank_wrote_are_read_off_the_directory_not_dcps_returned_metadata(tmp_path, async_save):
+    """torch 2.11's save returned its metadata without storage_data: every save failed on an AttributeError."""
+    outcomes = run_distributed(save_steps, 2, Saves(str(tmp_path), (1,), async_save=async_save, bare_dcp_result=True),
+                               timeout_s=120)
+    assert all(rank_outcomes[0].startswith("ok") for rank_outcomes in outcomes), outcomes
+    directory = str(tmp_path / "step_00000001")
+    listed = read_manifest(directory).files
+    assert {name for name in listed if name.endswith(".distcp")} == {p.name for p in Path(directory).glob("*.distcp")}
+    assert {name[:3] for name in listed if name.endswith(".distcp")} == {"__0", "__1"}
+    assert verify(directory, read_manifest(directory)) is None
+
+
 def test_a_checkpoint_directory_that_cannot_be_made_fails_every_rank_at_once(tmp_path):
     root = tmp_path / "checkpoints"
     root.write_text("a file where the checkpoint directory should be")

@@ -277,6 +277,14 @@ def test_replicas_are_for_sharded_strategies_and_leave_the_math_alone():
     assert _hash("strategy.name=zero3", "strategy.replicas=2") == _hash("strategy.name=zero3")
 
 
+def test_cpu_offload_needs_gpu_workers():
+    """FSDP2's CPU offload moves parameters between host and GPU memory: on CPU workers it has nowhere to go."""
+    with pytest.raises(ValueError, match=r"strategy\.offload=true needs scaling\.use_gpu=true"):
+        load_job_config(None, ["strategy.name=zero3", "strategy.offload=true"])
+    config = load_job_config(None, ["strategy.name=zero2", "strategy.offload=true", "scaling.use_gpu=true"])
+    assert config.strategy.offload
+
+
 def test_math_hash_same_for_int_and_float_spelling():
     assert JobConfig(optim=OptimConfig(weight_decay=0, lr=1)).math_hash() == \
         JobConfig(optim=OptimConfig(weight_decay=0.0, lr=1.0)).math_hash()

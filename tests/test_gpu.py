@@ -1,7 +1,8 @@
 """GPU workers (NCCL): mixed precision, and a survivor that outlives its killed peer.
 
 The GPU tests run one worker per visible GPU (at most 2) through cluster.job.train and are skipped
-where torch sees no CUDA device; the kill test needs two GPUs. Without CUDA, what runs instead is
+where torch sees no CUDA device; the kill test needs two GPUs (with one, a compression hook has nothing
+to send: its arithmetic on CUDA tensors runs only with two). Without CUDA, what runs instead is
 what a user then gets from scaling.use_gpu=true: an error naming the field, not a silent CPU run (a
 local Ray is given 2 logical GPUs, so the workers are placed and the error comes from them).
 
@@ -83,6 +84,34 @@ def test_gpu_workers_train_with_nccl(tmp_path, precision):
     assert all(math.isfinite(loss) for loss in losses) and sum(losses[-3:]) < 0.5 * sum(losses[:3])
     if precision == "fp16":  # the loss scaler's state is part of the checkpoint
         assert _saved_scale(result.checkpoint) > 0
+
+
+GPU_STRATEGIES = {
+    "zero1": ("strategy.name=zero1",),
+    "zero2": ("strategy.name=zero2",),
+    "zero3": ("strategy.name=zero3",),
+    "zero3-offload": ("strategy.name=zero3", "strategy.offload=true"),
+    "chargpt-zero2-offload": ("workload.name=chargpt", "workload.options={corpus_chars: 60000, block_size: 32}",
+                              "strategy.name=zero2", "strategy.offload=true", "training.precision=bf16"),
+    "powersgd": ("strategy.compression=powersgd", "strategy.powersgd_start_iter=2"),
+    "topk": ("strategy.compression=topk",),
+    "onebit": ("strategy.compression=onebit", "strategy.onebit_warmup_steps=5"),
+    "int8": ("strategy.compression=int8",),
+    "diloco-bf16": ("strategy.name=diloco", "strategy.sync_every=5", "strategy.compression=bf16"),
+    "accumulation": ("training.micro_batch_size=12", "training.precision=bf16"),
+}
+
+
+@requires_cuda
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("overrides", GPU_STRATEGIES.values(), ids=GPU_STRATEGIES.keys())
+def test_every_strategy_trains_on_nccl_workers_and_exports_a_cpu_model(tmp_path, overrides):
+    """The comm hooks, FSDP2 and DiLoCo's outer step on CUDA tensors; model.pt loads on a machine without CUDA."""
+    result = train(_gpu_job(*overrides, name="gpu-strategy"), run_dir=tmp_path)
+    assert result.final_step == 20 and {row["world_size"] for row in result.history} == {NUM_GPUS}
+    losses = [row["loss"] for row in result.history]
+    assert all(math.isfinite(loss) for loss in losses) and sum(losses[-3:]) < sum(losses[:3])
+    assert {tensor.device.type for tensor in load_model(tmp_path).values()} == {"cpu"}
 
 
 @requires_two_gpus

@@ -186,7 +186,8 @@ class CharGPT:
         try:
             with torch.no_grad():
                 logits = model(windows[:, :-1])
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten()).item()
+                targets = windows[:, 1:].to(logits.device)  # under strategy.offload the parameters wait on the CPU
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item()
         finally:
             model.train(was_training)
         return {"eval_loss": loss, "bits_per_byte": loss / math.log(2)}

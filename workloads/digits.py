@@ -73,13 +73,13 @@ class Digits:
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Held-out ``accuracy`` and mean cross-entropy ``eval_loss``; leaves the model's mode as it was."""
-        device = next(model.parameters()).device
-        x, y = self._x_test.to(device), self._y_test.to(device)
+        x = self._x_test.to(next(model.parameters()).device)
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
                 logits = model(x)
+                y = self._y_test.to(logits.device)  # under strategy.offload the parameters wait on the CPU
                 loss = F.cross_entropy(logits, y).item()
                 accuracy = (logits.argmax(dim=1) == y).float().mean().item()
         finally:

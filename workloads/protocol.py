@@ -42,7 +42,9 @@ Optional:
   default 1). zero1/zero2/zero3 shard optimizer state by rows, so they take only element-wise
   optimizers (Adam, AdamW, SGD, ...); anything else is refused with an error naming them.
 - ``evaluate(model) -> dict[str, float]``: held-out metrics, run on every rank (under zero3 its
-  forward passes are collective); a classifier returns ``"accuracy"``.
+  forward passes are collective); a classifier returns ``"accuracy"``. Compare outputs with targets on
+  the output's device: under ``strategy.offload`` the parameters wait on the CPU while forward runs on
+  the GPU.
 - ``eval_dataset()`` with ``eval_step(model, batch) -> dict[str, Tensor | float]``: evaluation spread
   over all ranks. ``eval_step`` returns *sums* over the batch's samples; Raylastic adds them up over
   batches and ranks and reports each divided by the number of samples evaluated.
