@@ -42,6 +42,7 @@ from actors.faults import FaultInjector
 from actors.mailbox import StatusMailbox, WorkerStatus
 from actors.priority import run_at_normal_priority
 from actors.recipe import optimizer_factory
+from actors.rendezvous import RayStore
 from actors.step_loop import StepRunner
 from actors.training_loop import BalanceSettings, TrainingLoop, TrainingThreadHung
 from actors.warm_start import ProcessStart
@@ -62,6 +63,7 @@ from strategies.buddy_copy import BuddyCopies
 from strategies.checkpoint import Checkpointer, load_into, verify_for_load
 from strategies.emulated_link import EmulatedLink
 from strategies.peer_restore import PeerRestorePlan, ShardCopy
+from strategies.plain_objects import all_gather_plain
 from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group
 from strategies.shard_copy import KeptShards, gather_shards, keep_shards, load_full_state
 from strategies.shard_layout import effective_replicas
@@ -126,6 +128,8 @@ class TrainWorker:
         self.spec = spec
         self.device = choose_device(spec.use_gpu)
         self.backend = choose_backend(spec.use_gpu)
+        self.rendezvous_stores: list[RayStore] = []
+        """Every group's store, kept: a group holds only the C++ side of its Python store."""
         self.workload = load_workload(spec.workload.name, spec.workload.options)
         self.strategy = build_strategy(spec.strategy)
         self.build_optimizer = optimizer_factory(spec.optim, getattr(self.workload, "configure_optimizer", None))
@@ -191,13 +195,14 @@ class TrainWorker:
             self.status.step, self._state_intact = 0, True
         self.state, self.checkpoint_group = None, None
         gc.collect()  # the old DDP's reducer, its autograd hooks and its hold on the old group must be gone
-        join_group(assignment, self.backend)
+        store = RayStore(assignment.store, timeout=timedelta(seconds=assignment.timeout_s))
+        self.rendezvous_stores.append(store)
+        join_group(assignment, self.backend, store)
         self._generation = assignment.generation
         timeout = timedelta(seconds=assignment.timeout_s)
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)  # async saves: not the training group
         copies_group = dist.new_group(backend="gloo", timeout=timeout) if self._keeps_buddy_copies(assignment) else None
-        node_ids: list[str] = [""] * assignment.world_size
-        dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id(), group=self.checkpoint_group)
+        node_ids = all_gather_plain(ray.get_runtime_context().get_node_id(), group=self.checkpoint_group)
         context = GroupContext(node_ids=tuple(node_ids), completed_steps=assignment.run_step)
         if previous is None:
             torch.manual_seed(self.spec.training.seed)  # identical initialisation on every rank

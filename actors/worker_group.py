@@ -35,11 +35,12 @@ from actors.member_calls import (
 from actors.membership import Member, Membership, StartFailure
 from actors.placement import ReservedBundles, ReservedSlots, SlotShape, WorkerSlots, draining_nodes
 from actors.poller import GenerationPoller, death_reason
+from actors.rendezvous_keys import RendezvousKeys, beside_this_process
 from actors.warm_start import WarmProcesses
 from actors.worker import JoinReport, WorkerSpec
 from jobconfig import FaultConfig, JobConfig
 from strategies.checkpoint import Checkpointer
-from strategies.process_group import GroupAssignment, host_store, new_store_prefix
+from strategies.process_group import GroupAssignment, new_store_prefix
 
 START_GRACE_S = 1.0
 """After min_workers are placed, how long the start waits for the rest of max_workers."""
@@ -67,8 +68,7 @@ class WorkerGroup:
         self.bounds = CallBounds(collective_timeout_s=collective_timeout_s, step_timeout_s=step_timeout_s,
                                  max_call_s=max_call_s)
         self.poll_wait_s = min(LONG_POLL_S, step_timeout_s / 4)  # a live worker answers well within the stall timeout
-        self.node_ip = ray.util.get_node_ip_address()
-        self.store = host_store(self.node_ip)
+        self.store = RendezvousKeys.options(**beside_this_process()).remote()
         self.store_prefix = new_store_prefix()
         self.generation = -1
         self.ranked: list[Member] = []
@@ -210,8 +210,8 @@ class WorkerGroup:
         self.generation += 1
         self.ranked = list(self.membership.members)
         reports = self.call_all("join", [(GroupAssignment(
-            generation=self.generation, rank=rank, world_size=self.size, store_host=self.node_ip,
-            store_port=self.store.port, store_prefix=self.store_prefix, timeout_s=self.collective_timeout_s,
+            generation=self.generation, rank=rank, world_size=self.size, store=self.store,
+            store_prefix=self.store_prefix, timeout_s=self.collective_timeout_s,
             run_step=run_step),) for rank in range(self.size)], rendezvous=JOIN_RENDEZVOUS)
         for member, report in zip(self.ranked, reports, strict=True):
             member.node_id = report.node_id

@@ -130,22 +130,20 @@ class StartupProbe:
 
     def __init__(self, job_overrides: list[str]) -> None:
         marks = {"constructor": time.time()}
-        import ray
-
+        from actors.rendezvous_keys import RendezvousKeys
         from actors.worker import TrainWorker, WorkerSpec
         from jobconfig import load_job_config
         from strategies.checkpoint import Checkpointer
-        from strategies.process_group import GroupAssignment, host_store, new_store_prefix
+        from strategies.process_group import GroupAssignment, new_store_prefix
 
         job = load_job_config(None, job_overrides)
         checkpointer = Checkpointer(root=tempfile.mkdtemp(prefix="startup-probe-"), every_steps=0, num_to_keep=1,
                                     config_hash=job.math_hash(), global_batch_size=job.training.global_batch_size)
         worker = TrainWorker(WorkerSpec.for_job(job, checkpointer))
         marks["construct_worker"] = time.time()
-        ip = ray.util.get_node_ip_address()
-        store = host_store(ip)
-        worker.join(GroupAssignment(generation=0, rank=0, world_size=1, store_host=ip, store_port=store.port,
-                                    store_prefix=new_store_prefix(), timeout_s=30))
+        store = RendezvousKeys.remote()
+        worker.join(GroupAssignment(generation=0, rank=0, world_size=1, store=store, store_prefix=new_store_prefix(),
+                                    timeout_s=30))
         marks["first_join"] = time.time()
         self.marks, self.imported = marks, warm_start.imported
         self._alive = (worker, store)  # the group's store lives as long as the probe

@@ -39,6 +39,7 @@ TITLES = {  # page order; a result file not named here gets a generic section af
     "checkpoint": "Checkpoints",
     "communication": "Communication",
     "slow_links": "Slow links: time to a target loss",
+    "rendezvous": "Rendezvous: the store over Ray against TCPStore",
 }
 
 

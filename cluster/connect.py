@@ -1,7 +1,8 @@
 """Connect to Ray: a running cluster by address, or a local instance this process starts and stops.
 
 Laptop mode: ``ray start --head`` then ``--address auto``; or no address at all, and a local
-instance is started for the run (no dashboard, so no job server either) and shut down after it.
+instance is started for the run (no dashboard, so no job server either) and shut down after it. That
+instance, and the runs' process groups, listen on loopback only (cluster/loopback.py).
 
 Token authentication (Ray 2.60 turns it on for ``ray start --head`` and local ``ray.init``): Ray
 sends the local token (``~/.ray/auth_token``) only to a cluster it finds itself, i.e. ``auto``
@@ -17,11 +18,13 @@ import contextlib
 import logging
 import os
 import socket
+import warnings
 from collections.abc import Iterator
 
 import ray
 
 from cluster.import_path import IMPORT_PATH_VARIABLE, SETUP_HOOK
+from cluster.loopback import is_loopback, loopback_interfaces, loopback_node
 from jobconfig.naming import NAMESPACE
 
 
@@ -58,9 +61,16 @@ def ray_session(address: str | None = None, *, min_cpus: float = 0.0) -> Iterato
         # would connect to that one, and then refuses num_cpus).
         # worker_niceness 0: Ray's workers (ours: the training ranks) at normal CPU priority, without
         # root; see actors/priority.py.
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
-                 include_dashboard=False, dashboard_host="127.0.0.1", _system_config={"worker_niceness": 0},
-                 **options)
+        # Reachable from this machine only: Ray's services, gloo and NCCL on loopback (cluster/loopback.py).
+        options["runtime_env"]["env_vars"].update(loopback_interfaces())
+        with loopback_node():
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
+                     include_dashboard=False, dashboard_host="127.0.0.1", _system_config={"worker_niceness": 0},
+                     **options)
+        if not is_loopback(ray.util.get_node_ip_address()):
+            warnings.warn(f"the local Ray instance listens on {ray.util.get_node_ip_address()}, not on loopback "
+                          f"only: this Ray ({ray.__version__}) did not take cluster/loopback.py's setting",
+                          RuntimeWarning, stacklevel=3)
     try:
         yield
     finally:

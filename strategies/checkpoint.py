@@ -25,6 +25,7 @@ Example (every rank calls, in the same order)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Collection, Iterator
@@ -54,6 +55,7 @@ from strategies.checkpoint_manifest import (
     written_by_us,
 )
 from strategies.checkpoint_metadata import safe_reader
+from strategies.plain_objects import all_gather_plain, broadcast_plain
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +116,12 @@ class Checkpointer:
         """
         _require_tensors(state_dict)
         directory = self.directory(step)
-        prepared = [self._prepare(directory) if dist.get_rank(group) == 0 else None]
-        dist.broadcast_object_list(prepared, group=group, group_src=0)  # nobody writes before rank 0 has prepared
-        if prepared[0].action == "failed":
-            raise _write_error(directory, prepared[0].reason)
-        if prepared[0].action == "saved":
+        # Nobody writes before rank 0 has prepared the directory.
+        mine = dataclasses.asdict(self._prepare(directory)) if dist.get_rank(group) == 0 else None
+        prepared = _Preparation(**broadcast_plain(mine, src=0, group=group))
+        if prepared.action == "failed":
+            raise _write_error(directory, prepared.reason)
+        if prepared.action == "saved":
             return _resolved(directory)
         manifest = CheckpointManifest(step=step, world_size=world_size, strategy=strategy,
                                       samples_consumed=step * self.global_batch_size,
@@ -173,8 +176,7 @@ class Checkpointer:
             mine: dict[str, dict[str, Any]] | str = checksums(directory, _files_written(directory, rank))
         except Exception as error:  # noqa: BLE001 - sent to every rank instead
             mine = f"rank {rank}: {_cause(error)}"
-        every: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, mine, group=group)
+        every = all_gather_plain(mine, group=group)
         problems = [files for files in every if isinstance(files, str)]
         if problems:
             raise _write_error(directory, "; ".join(problems))
@@ -246,8 +248,7 @@ def verify_for_load(directory: str, group: dist.ProcessGroup | None = None) -> s
     else:
         share = checksum_share(manifest, dist.get_rank(group), dist.get_world_size(group))
         problem = verify(directory, manifest, checksummed=share)
-    problems: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, problem, group=group)
+    problems = all_gather_plain(problem, group=group)
     return next((p for p in problems if p is not None), None)
 
 

@@ -1,11 +1,9 @@
-"""One torch.distributed process group per generation, rendezvoused through the Controller's store.
+"""One torch.distributed process group per generation, rendezvoused through the run's store.
 
-The Controller hosts a TCPStore for the whole run; generation g's group uses the key prefix
-``<store_prefix>/generation/g`` of it, so survivors can leave a broken group and join the next one
-in the same process without any port being bound again. ``store_prefix`` is random per run, so a
-client that writes raylastic's key names blindly misses the rendezvous. It is not a secret from one
-that asks: a TCPStore has no authentication and lists its keys to any client (``list_keys``), so the
-port must be reachable from the cluster only (docs/cluster.md, Security).
+The run has one rendezvous store (a ``RayStore`` over the Controller's ``RendezvousKeys`` actor,
+actors/rendezvous.py: no port of its own, every operation over Ray's authenticated channel);
+generation g's group uses the key prefix ``<store_prefix>/generation/g`` of it, so survivors can
+leave a broken group and join the next one in the same process. ``store_prefix`` is random per run.
 
 On GPUs the group is NCCL, set up so that a survivor outlives its peer (ProcessGroupNCCL.hpp,
 torch 2.13): ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly) has the watchdog abort the
@@ -24,6 +22,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,8 +39,8 @@ class GroupAssignment:
     generation: int
     rank: int
     world_size: int
-    store_host: str
-    store_port: int
+    store: Any
+    """The run's rendezvous keys (a ``RendezvousKeys`` actor handle); a rank reaches them with a ``RayStore``."""
     store_prefix: str
     """The run's random key prefix in the store (``new_store_prefix()``, made once per run)."""
     timeout_s: float
@@ -75,13 +74,12 @@ def choose_backend(use_gpu: bool) -> str:
     return "nccl" if choose_device(use_gpu).type == "cuda" else "gloo"
 
 
-def join_group(assignment: GroupAssignment, backend: str) -> None:
-    """Leave the current group (if any) and join the one of ``assignment.generation``."""
+def join_group(assignment: GroupAssignment, backend: str, store: dist.Store) -> None:
+    """Leave the current group (if any) and join the one of ``assignment.generation`` through ``store`` (the
+    run's; keep it referenced until this group is left: the group holds only its C++ side)."""
     leave_group()
     if "nccl" in backend:  # also "cpu:gloo,cuda:nccl"
         os.environ.update(NCCL_RECOVERY_ENVIRONMENT)
-    store = dist.TCPStore(assignment.store_host, assignment.store_port, is_master=False,
-                          timeout=timedelta(seconds=assignment.timeout_s))
     prefix = f"{assignment.store_prefix}/generation/{assignment.generation}"
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=assignment.rank,
                             world_size=assignment.world_size, timeout=timedelta(seconds=assignment.timeout_s))
@@ -108,8 +106,3 @@ def leave_group() -> None:
 
 def _uses_nccl() -> bool:
     return "nccl" in dist.get_backend()  # "nccl", or one backend per device type: "cpu:gloo,cuda:nccl"
-
-
-def host_store(host: str) -> dist.TCPStore:
-    """The Controller's rendezvous store on ``host`` (a free port); it lives as long as the object."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)

@@ -39,6 +39,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from strategies.base import Strategy, TrainState, init_optimizer_state, scaler_entries, set_scaler
 from strategies.peer_restore import PeerRestorePlan, ShardCopy
+from strategies.plain_objects import broadcast_plain, dtype_name, dtype_of
 from strategies.shard_layout import ShardLayout, row_bounds
 
 logger = logging.getLogger(__name__)
@@ -171,9 +172,10 @@ def gather_shards(kept: list[KeptShards], plan: PeerRestorePlan, group: dist.Pro
     rank = dist.get_rank(group)
     mine = {shard: _copy_of_shard(kept, plan, shard, rank) for shard, sender in enumerate(plan.senders)
             if sender == rank}
-    header = [next(iter(mine.values())).entries if rank == plan.senders[0] else None]
-    dist.broadcast_object_list(header, group=group, group_src=plan.senders[0])
-    entries: dict[str, _Entry] = header[0]
+    described = ({key: [list(entry.shape), dtype_name(entry.dtype)] for key, entry in
+                  next(iter(mine.values())).entries.items()} if rank == plan.senders[0] else None)
+    entries = {key: _Entry(tuple(shape), dtype_of(dtype))
+               for key, (shape, dtype) in broadcast_plain(described, src=plan.senders[0], group=group).items()}
     full = {key: torch.empty(entry.shape, dtype=entry.dtype) for key, entry in entries.items()}
     for shard, sender in enumerate(plan.senders):
         for keys in _by_dtype(entries):  # one broadcast per shard and dtype

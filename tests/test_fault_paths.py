@@ -16,13 +16,14 @@ import pytest
 import ray
 
 from actors.controller import RunFailed
+from actors.rendezvous_keys import RendezvousKeys
 from actors.run_status import Event, RunStatus
 from actors.training_loop import LOOP_EXIT_GRACE_S
 from actors.worker import TrainWorkerActor, WorkerSpec
 from cluster.job import train
 from jobconfig.naming import controller_name
 from strategies.checkpoint import Checkpointer, latest_checkpoint
-from strategies.process_group import GroupAssignment, host_store, new_store_prefix
+from strategies.process_group import GroupAssignment, new_store_prefix
 from tests.fault_workloads import marker_path
 from tests.helpers import assert_states_close, job, load_model
 from workloads.digits import Digits
@@ -146,11 +147,10 @@ class BareWorkers:
     actors: list
     store: object
     prefix: str
-    ip: str
 
     def assignment(self, generation: int, rank: int, world_size: int, timeout_s: float = 10) -> GroupAssignment:
-        return GroupAssignment(generation=generation, rank=rank, world_size=world_size, store_host=self.ip,
-                               store_port=self.store.port, store_prefix=self.prefix, timeout_s=timeout_s)
+        return GroupAssignment(generation=generation, rank=rank, world_size=world_size, store=self.store,
+                               store_prefix=self.prefix, timeout_s=timeout_s)
 
     def join_all(self, generation: int = 0) -> None:
         ray.get([a.join.remote(self.assignment(generation, rank, len(self.actors)))
@@ -164,8 +164,7 @@ def bare_workers(tmp_path, count: int, *overrides: str) -> BareWorkers:
                       checkpointer=Checkpointer(root=str(tmp_path / "ckpt"), every_steps=0, num_to_keep=1,
                                                 config_hash="h", global_batch_size=config.training.global_batch_size))
     actors = [TrainWorkerActor.options(num_cpus=0.5, max_concurrency=2).remote(spec) for _ in range(count)]
-    ip = ray.util.get_node_ip_address()
-    return BareWorkers(actors, host_store(ip), new_store_prefix(), ip)
+    return BareWorkers(actors, RendezvousKeys.remote(), new_store_prefix())
 
 
 def test_a_receiver_whose_source_is_lost_mid_hand_over_rebuilds_its_state(tmp_path):

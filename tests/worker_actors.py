@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 import ray
 
+from actors.rendezvous_keys import RendezvousKeys
 from actors.worker import JoinReport, TrainWorkerActor, WorkerSpec
 from jobconfig import FaultConfig
 from strategies.checkpoint import Checkpointer
 from strategies.peer_restore import plan_peer_restore
-from strategies.process_group import GroupAssignment, host_store, new_store_prefix
+from strategies.process_group import GroupAssignment, new_store_prefix
 from tests.helpers import job
 
 
@@ -22,7 +23,6 @@ class Workers:
     spec: WorkerSpec
     store: object
     prefix: str
-    ip: str
     collective_timeout_s: float = 30.0
 
     def start(self, count: int) -> list:
@@ -30,8 +30,8 @@ class Workers:
 
     def join(self, generation: int, actors: list) -> list[JoinReport]:
         return ray.get([actor.join.remote(GroupAssignment(
-            generation=generation, rank=rank, world_size=len(actors), store_host=self.ip, store_port=self.store.port,
-            store_prefix=self.prefix, timeout_s=self.collective_timeout_s)) for rank, actor in enumerate(actors)],
+            generation=generation, rank=rank, world_size=len(actors), store=self.store, store_prefix=self.prefix,
+            timeout_s=self.collective_timeout_s)) for rank, actor in enumerate(actors)],
             timeout=120)
 
     def restore_from_peers(self, actors: list, reports: list[JoinReport]) -> int:
@@ -70,7 +70,6 @@ def workers_of(tmp_path, steps: int, *overrides: str, collective_timeout_s: floa
     spec = WorkerSpec(workload=config.workload, training=config.training, optim=config.optim,
                       strategy=config.strategy, data=config.data, eval=config.eval, use_gpu=False, torch_threads=1,
                       checkpointer=checkpointer)
-    ip = ray.util.get_node_ip_address()
-    return Workers(spec, host_store(ip), new_store_prefix(), ip, collective_timeout_s)
+    return Workers(spec, RendezvousKeys.remote(), new_store_prefix(), collective_timeout_s)
 
 

@@ -1,0 +1,114 @@
+"""What the authenticated rendezvous costs a generation's formation, against the TCPStore it replaced.
+
+N Ray actors (the ranks) form a gloo group the way a worker's ``join`` does (``join_group``, then the
+checkpoint group with ``dist.new_group``), leave it, and form the next generation, alternately through:
+
+- tcp: a ``torch.distributed.TCPStore`` hosted by the driver (as the Controller hosted it), one port, no
+  authentication;
+- ray: a ``RayStore`` over the run's ``RendezvousKeys`` actor (actors/rendezvous.py), every operation a Ray
+  call over Ray's authenticated channel.
+
+A formation's time is the driver's, from sending every rank its assignment to the last rank's return;
+rounds alternate which store goes first; medians. The goal (issue 30): within 50 ms of TCPStore at 4
+ranks. Run from the repository root (~1 minute on 2 cores)::
+
+    .venv/bin/python -m benchmarks.rendezvous                 # 4 ranks, 20 rounds
+    .venv/bin/python -m benchmarks.rendezvous --ranks 2 --rounds 5
+
+Writes benchmarks/results/rendezvous.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import ray
+import torch.distributed as dist
+
+from actors.rendezvous import RayStore
+from actors.rendezvous_keys import RendezvousKeys
+from benchmarks._sharded_setup import RESULTS, machine_info
+from cluster.connect import ray_session
+from strategies.process_group import GroupAssignment, join_group, leave_group, new_store_prefix
+
+GOAL_EXTRA_S = 0.050
+TIMEOUT_S = 60.0
+STORES = ("tcp", "ray")
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    def __init__(self) -> None:
+        self.stores: list[dist.Store] = []
+
+    def form(self, assignment: GroupAssignment, tcp_port: int | None) -> None:
+        timeout = timedelta(seconds=assignment.timeout_s)
+        store = (dist.TCPStore("127.0.0.1", tcp_port, is_master=False, timeout=timeout) if tcp_port is not None
+                 else RayStore(assignment.store, timeout=timeout))
+        self.stores.append(store)
+        join_group(assignment, "gloo", store)
+        dist.new_group(backend="gloo", timeout=timeout)  # the worker's checkpoint group
+
+    def leave(self) -> None:
+        leave_group()
+
+
+def formation_s(ranks: list, generation: int, kind: str, keys: object, tcp: dist.TCPStore, prefix: str) -> float:
+    started = time.perf_counter()
+    ray.get([rank.form.remote(GroupAssignment(generation=generation, rank=index, world_size=len(ranks), store=keys,
+                                              store_prefix=prefix, timeout_s=TIMEOUT_S),
+                              tcp.port if kind == "tcp" else None) for index, rank in enumerate(ranks)],
+            timeout=2 * TIMEOUT_S)
+    elapsed = time.perf_counter() - started
+    ray.get([rank.leave.remote() for rank in ranks], timeout=TIMEOUT_S)
+    return elapsed
+
+
+def measure(num_ranks: int, rounds: int) -> dict:
+    ranks = [Rank.remote() for _ in range(num_ranks)]
+    keys = RendezvousKeys.remote()
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
+    prefix = new_store_prefix()
+    generation = 0
+    for kind in STORES:  # warm-up: imports, first connections
+        formation_s(ranks, generation, kind, keys, tcp, prefix)
+        generation += 1
+    times: dict[str, list[float]] = {kind: [] for kind in STORES}
+    for round_index in range(rounds):
+        for kind in STORES if round_index % 2 == 0 else reversed(STORES):
+            times[kind].append(formation_s(ranks, generation, kind, keys, tcp, prefix))
+            generation += 1
+        print(f"round {round_index + 1}/{rounds}: " + ", ".join(f"{k} {times[k][-1] * 1000:.1f} ms" for k in STORES),
+              flush=True)
+    medians = {kind: statistics.median(values) for kind, values in times.items()}
+    extra = medians["ray"] - medians["tcp"]
+    return {"ranks": num_ranks, "rounds": rounds,
+            "formation_s": {kind: [round(v, 5) for v in values] for kind, values in times.items()},
+            "median_formation_ms": {k: round(v * 1000, 1) for k, v in medians.items()},
+            "extra_ms": round(extra * 1000, 1), "goal_extra_ms": GOAL_EXTRA_S * 1000,
+            "meets_goal": extra <= GOAL_EXTRA_S}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4, help="ranks in the group (default 4)")
+    parser.add_argument("--rounds", type=int, default=20, help="formations per store (default 20)")
+    args = parser.parse_args(argv)
+    with ray_session(min_cpus=args.ranks):
+        result = measure(args.ranks, args.rounds)
+    result["command"] = "python -m benchmarks.rendezvous " + " ".join(sys.argv[1:] if argv is None else argv)
+    result["machine"] = machine_info()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "rendezvous.json").write_text(json.dumps(result, indent=2) + "\n")
+    medians = result["median_formation_ms"]
+    print(f"formation at {args.ranks} ranks: TCPStore {medians['tcp']} ms, RayStore {medians['ray']} ms: "
+          f"+{result['extra_ms']} ms (goal: within {GOAL_EXTRA_S * 1000:.0f})")
+
+
+if __name__ == "__main__":
+    main()

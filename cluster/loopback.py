@@ -1,0 +1,58 @@
+"""A local Ray instance, and the process groups of its runs, reachable from this machine only.
+
+Ray 2.60 binds its services (GCS, raylet, object manager, workers, agents) to the node's IP, which for a
+local instance is the machine's address on its network, unless Ray's cluster mode is off (as Ray has it
+on macOS and Windows, against firewall prompts): then the node IP is 127.0.0.1 and every one of them
+listens on loopback. ``loopback_node()`` turns cluster mode off while ``ray.init`` starts the node, and
+only then. gloo and NCCL bind to the address the hostname resolves to unless told an interface:
+``loopback_interfaces()`` names the loopback one to both, for the job's runtime env.
+
+Example::
+
+    with loopback_node():
+        ray.init(address="local", runtime_env={"env_vars": loopback_interfaces()})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+from collections.abc import Iterator
+
+import psutil
+
+
+def loopback_interface() -> str:
+    """The name of this machine's IPv4 loopback interface ("lo" on Linux, "lo0" on macOS)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and ipaddress.ip_address(a.address).is_loopback for a in addresses):
+            return name
+    raise RuntimeError("this machine has no IPv4 loopback interface (127.0.0.1): a local Ray cannot be kept on it")
+
+
+def loopback_interfaces() -> dict[str, str]:
+    """Environment variables that bind gloo's and NCCL's sockets to the loopback interface."""
+    name = loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+
+
+@contextlib.contextmanager
+def loopback_node() -> Iterator[None]:
+    """While this block starts a local Ray node, its IP is 127.0.0.1 (Ray's cluster mode off: a private
+    constant of Ray's, read when the node starts)."""
+    from ray._private import ray_constants
+
+    previous = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = previous
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address, IPv4-mapped IPv6 included) is a loopback address."""
+    address = ipaddress.ip_address(host)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback

@@ -1,0 +1,86 @@
+"""Laptop mode is reachable from nowhere: the local Ray that ``train()`` starts (conftest's ``ray_local`` starts it
+the same way, through cluster.connect.ray_session) and every process of its runs listen on loopback only, so a
+client arriving on the machine's own network address finds no port open, and the run is not disturbed."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+import psutil
+import pytest
+import ray
+
+from cluster.job import train
+from cluster.loopback import is_loopback, loopback_interface
+from tests.helpers import assert_states_close, job, load_model
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def listening_addresses() -> list[tuple[str, str, int]]:
+    """(process name, host, port) of every TCP socket listening in this process and the processes it started:
+    the local Ray's GCS, raylet, agents and workers, the runs' Controllers and ranks."""
+    found = []
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            name = process.name()
+            connections = process.net_connections(kind="tcp")
+        except psutil.Error:  # ended meanwhile
+            continue
+        found += [(name, c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def network_address() -> str | None:
+    """An IPv4 address of this machine on a network (not loopback), if it has one."""
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not ipaddress.ip_address(address.address).is_loopback:
+                return address.address
+    return None
+
+
+def answers(host: str, port: int) -> bool:
+    """Whether a TCP connection to ``host:port`` is accepted (and then fed what a TCPStore client sends first)."""
+    try:
+        with socket.create_connection((host, port), timeout=5) as connection:
+            connection.sendall(b"\x00" * 16)
+            return True
+    except OSError:
+        return False
+
+
+def test_every_listener_of_the_local_ray_and_its_run_is_on_loopback_and_the_network_finds_none(tmp_path):
+    assert is_loopback(ray.util.get_node_ip_address())
+    seen: list[list[tuple[str, str, int]]] = []
+    reached: list[tuple[str, int]] = []
+    address = network_address()
+
+    def probe(progress) -> None:
+        if progress.state == "running" and not seen:
+            seen.append(listening_addresses())
+            if address is not None:
+                reached.extend((name, port) for name, _, port in seen[0] if answers(address, port))
+
+    probed = train(job(name="loopback-probed"), run_dir=tmp_path / "probed", on_progress=probe)
+    assert seen, "the run was never seen running"
+    listeners = seen[0]
+    names = {name for name, _, _ in listeners}
+    assert {"gcs_server", "raylet"} <= names and len(listeners) >= 5, listeners  # not vacuous
+    assert [entry for entry in listeners if not is_loopback(entry[1])] == []
+    undisturbed = train(job(name="loopback-undisturbed"), run_dir=tmp_path / "undisturbed")
+    assert probed.final_step == undisturbed.final_step == 20
+    assert_states_close(load_model(tmp_path / "probed"), load_model(tmp_path / "undisturbed"))
+    if address is None:
+        pytest.skip("this machine has no network address to arrive on")  # every check above still ran
+    assert reached == [], f"reached from {address}: {reached}"
+
+
+def test_gloo_and_nccl_are_told_the_loopback_interface():
+    @ray.remote(num_cpus=0)
+    def interfaces() -> tuple[str | None, str | None]:
+        import os
+        return os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")
+
+    assert ray.get(interfaces.remote(), timeout=120) == (loopback_interface(), loopback_interface())

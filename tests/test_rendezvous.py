@@ -1,0 +1,109 @@
+"""The run's rendezvous store (actors/rendezvous.py): a TCPStore's answers over Ray calls, every wait bounded,
+and generation groups formed through it under the run's random key prefix (real Ray actors, real gloo)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from actors.rendezvous import RPC_MARGIN_S, RayStore
+from actors.rendezvous_keys import RendezvousKeys
+from strategies.process_group import GroupAssignment, join_group, leave_group, new_store_prefix
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+TIMEOUT = timedelta(seconds=2)
+
+
+@pytest.fixture
+def keys():
+    actor = RendezvousKeys.remote()
+    yield actor
+    ray.kill(actor)
+
+
+def _operations(store: dist.Store) -> list:
+    """What a sequence of every operation answers: the same for a TCPStore and a RayStore."""
+    store.set("a", "1")
+    answers = [store.get("a"), store.add("n", 2), store.add("n", 3), store.get("n")]
+    answers += [store.compare_set("c", "", "x"), store.compare_set("c", "y", "z"), store.compare_set("c", "x", "z"),
+                store.get("c"), store.compare_set("missing", "e", "d"), store.check(["a", "n"]),
+                store.check(["a", "nope"]), store.num_keys()]
+    answers += [store.delete_key("a"), store.delete_key("a"), store.check(["a"]), store.num_keys()]
+    store.wait(["n", "c"])
+    return answers
+
+
+def test_every_operation_answers_as_a_tcpstore_does(keys):
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    assert _operations(RayStore(keys, timeout=TIMEOUT)) == _operations(tcp)
+
+
+def test_a_key_never_set_raises_at_the_timeout_naming_it(keys):
+    store = RayStore(keys, timeout=TIMEOUT)
+    for wait in (lambda: store.get("never"), lambda: store.wait(["set", "never"]),
+                 lambda: store.wait(["never"], timedelta(seconds=1))):
+        store.set("set", "1")
+        started = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match="never"):
+            wait()
+        assert time.monotonic() - started < TIMEOUT.total_seconds() + RPC_MARGIN_S / 3
+
+
+def test_a_get_answers_once_another_process_sets_the_key(keys):
+    @ray.remote(num_cpus=0)
+    def set_later(actor) -> None:
+        time.sleep(0.5)
+        RayStore(actor, timeout=TIMEOUT).set("late", b"here")
+
+    store = RayStore(keys, timeout=timedelta(seconds=60))
+    done = set_later.remote(keys)
+    assert store.get("late") == b"here"
+    ray.get(done, timeout=60)
+
+
+def test_a_store_whose_actor_is_gone_raises_without_waiting_out_its_timeout(keys):
+    store = RayStore(keys, timeout=timedelta(seconds=120))
+    ray.kill(keys)
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match=r"get\('k'\) failed"):
+        store.get("k")
+    assert time.monotonic() - started < 120 / 3
+
+
+@ray.remote(num_cpus=0.5)
+class Rank:
+    def __init__(self) -> None:
+        self.stores: list[RayStore] = []
+
+    def join_and_all_reduce(self, assignment: GroupAssignment) -> float:
+        store = RayStore(assignment.store, timeout=timedelta(seconds=assignment.timeout_s))
+        self.stores.append(store)
+        join_group(assignment, "gloo", store)
+        subgroup = dist.new_group(backend="gloo")  # as the workers' checkpoint group: its keys under the prefix too
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        dist.all_reduce(total, group=subgroup)
+        return total.item()
+
+    def leave(self) -> None:
+        leave_group()
+
+
+def test_generations_form_through_the_store_only_under_the_runs_random_prefix(keys):
+    ranks = [Rank.remote() for _ in range(2)]
+    prefix = new_store_prefix()
+    for generation in (3, 4):  # the same processes leave one group and join the next
+        joined = [rank.join_and_all_reduce.remote(GroupAssignment(
+            generation=generation, rank=index, world_size=2, store=keys, store_prefix=prefix, timeout_s=60))
+            for index, rank in enumerate(ranks)]
+        assert ray.get(joined, timeout=120) == [4.0, 4.0]
+    ray.get([r.leave.remote() for r in ranks], timeout=60)
+    listed = ray.get(keys.list_keys.remote())
+    assert listed and all(key.startswith((f"{prefix}/generation/3/", f"{prefix}/generation/4/")) for key in listed)
+    assert len(prefix) == 32 and new_store_prefix() != prefix
