@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import ray
 
 from cluster.import_path import IMPORT_PATH_VARIABLE, SETUP_HOOK
-from cluster.loopback import is_loopback, loopback_interfaces, loopback_node
+from cluster.loopback import is_loopback, is_loopback_only, loopback_interfaces, loopback_node
 from jobconfig.naming import NAMESPACE
 
 
@@ -87,11 +87,23 @@ def _connect(address: str, options: dict) -> None:
     explicit = (os.environ.get("RAY_ADDRESS") or "") if address == "auto" else address
     if explicit and "RAY_AUTH_MODE" not in os.environ and _is_this_machine(explicit):
         _enable_token_auth_if_token_available()
+    target = explicit or _address_ray_finds()
+    joins_laptop_instance = bool(target) and _is_this_machine(target) and is_loopback_only(target)
     try:
-        ray.init(address=address, **options)
+        with loopback_node() if joins_laptop_instance else contextlib.nullcontext():
+            ray.init(address=address, **options)
     except ConnectionError as error:
         raise ConnectionError(f"cannot connect to the Ray cluster at {explicit or address}: {error}; "
                               f"{AUTH_HINT}") from error
+
+
+def _address_ray_finds() -> str | None:
+    """The address ``ray.init("auto")`` connects to without RAY_ADDRESS (the newest ``ray start`` here)."""
+    try:  # private: where it is gone, a laptop instance is joined by its explicit address only
+        from ray._private.services import get_ray_address_from_environment
+        return get_ray_address_from_environment("auto", None)
+    except Exception:  # noqa: BLE001 - no cluster found: ray.init says so itself
+        return None
 
 
 def _is_this_machine(address: str) -> bool:

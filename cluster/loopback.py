@@ -51,6 +51,34 @@ def loopback_node() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = previous
 
 
+def network_address() -> str | None:
+    """An IPv4 address of this machine on a network (not loopback), if it has one."""
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not ipaddress.ip_address(address.address).is_loopback:
+                return address.address
+    return None
+
+
+def is_loopback_only(address: str) -> bool:
+    """Whether the Ray whose GCS is at ``address`` ("host:port" on this machine) answers on 127.0.0.1 and not on
+    the machine's network address: an instance started in laptop mode. A driver joining it must start under
+    ``loopback_node()`` too, or Ray turns 127.0.0.1 into the network address, where nothing answers."""
+    port = address.rpartition(":")[2]
+    if not port.isdigit() or not _answers("127.0.0.1", int(port)):
+        return False
+    network = network_address()
+    return network is None or not _answers(network, int(port))
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an IP address, IPv4-mapped IPv6 included) is a loopback address."""
     address = ipaddress.ip_address(host)

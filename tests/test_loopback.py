@@ -4,7 +4,6 @@ client arriving on the machine's own network address finds no port open, and the
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 
 import psutil
@@ -12,7 +11,7 @@ import pytest
 import ray
 
 from cluster.job import train
-from cluster.loopback import is_loopback, loopback_interface
+from cluster.loopback import is_loopback, loopback_interface, network_address
 from tests.helpers import assert_states_close, job, load_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -30,15 +29,6 @@ def listening_addresses() -> list[tuple[str, str, int]]:
             continue
         found += [(name, c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN]
     return found
-
-
-def network_address() -> str | None:
-    """An IPv4 address of this machine on a network (not loopback), if it has one."""
-    for addresses in psutil.net_if_addrs().values():
-        for address in addresses:
-            if address.family == socket.AF_INET and not ipaddress.ip_address(address.address).is_loopback:
-                return address.address
-    return None
 
 
 def answers(host: str, port: int) -> bool:
