@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from actors.rendezvous import RPC_MARGIN_S, RayStore
-from actors.rendezvous_keys import RendezvousKeys
+from actors.rendezvous_keys import RendezvousKeys, beside_this_process
 from strategies.process_group import GroupAssignment, join_group, leave_group, new_store_prefix
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -22,9 +22,21 @@ TIMEOUT = timedelta(seconds=2)
 
 @pytest.fixture
 def keys():
-    actor = RendezvousKeys.remote()
+    actor = RendezvousKeys.options(**beside_this_process()).remote()
     yield actor
     ray.kill(actor)
+
+
+def _setup_hook_imports(_actor) -> dict:
+    import sys
+
+    from actors import warm_start
+    return {"imported": warm_start.imported, "dynamo": "torch._dynamo" in sys.modules}
+
+
+def test_the_keys_process_skips_the_training_imports(keys):
+    """It starts with every run: the job's setup hook (torch._dynamo and our training modules) is skipped there."""
+    assert ray.get(keys.__ray_call__.remote(_setup_hook_imports), timeout=120) == {"imported": None, "dynamo": False}
 
 
 def _operations(store: dist.Store) -> list:
