@@ -128,9 +128,9 @@ class StartupProbe:
     at world size 2). ``job_overrides`` are the job's ``--set`` overrides.
     """
 
-    def __init__(self, job_overrides: list[str]) -> None:
+    def __init__(self, job_overrides: list[str], store: object) -> None:
+        """``store``: a ready RendezvousKeys actor, made before the probe is asked for, as the Controller's is."""
         marks = {"constructor": time.time()}
-        from actors.rendezvous_keys import RendezvousKeys
         from actors.worker import TrainWorker, WorkerSpec
         from jobconfig import load_job_config
         from strategies.checkpoint import Checkpointer
@@ -141,7 +141,6 @@ class StartupProbe:
                                     config_hash=job.math_hash(), global_batch_size=job.training.global_batch_size)
         worker = TrainWorker(WorkerSpec.for_job(job, checkpointer))
         marks["construct_worker"] = time.time()
-        store = RendezvousKeys.remote()
         worker.join(GroupAssignment(generation=0, rank=0, world_size=1, store=store, store_prefix=new_store_prefix(),
                                     timeout_s=30))
         marks["first_join"] = time.time()

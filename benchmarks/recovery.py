@@ -55,6 +55,7 @@ import ray
 import torch
 
 from actors.controller import RunFailed
+from actors.rendezvous_keys import RendezvousKeys, beside_this_process
 from actors.run_status import Event
 from actors.warm_start import WarmProcesses
 from benchmarks import _recovery_changes as changes
@@ -167,11 +168,14 @@ def measure_startup(*, warm: bool) -> dict:
         time.sleep(WARM_PROCESS_GRACE_S)
     else:
         environment = {"runtime_env": {"env_vars": {"RAYLASTIC_STARTUP_PROBE": f"cold-{time.time()}"}}}
+    store = RendezvousKeys.options(**beside_this_process()).remote()
+    ray.get(store.num_keys.remote())  # started, as the run's is long before a worker joins
     requested = time.time()
     probe = ray.remote(num_cpus=1)(helpers.StartupProbe).options(**environment).remote(
-        job_overrides("startup-probe", 1, 1, None))
+        job_overrides("startup-probe", 1, 1, None), store)
     marks, imported = ray.get(probe.timings.remote())
     ray.kill(probe)
+    ray.kill(store)
     phases = {"total_s": marks["first_join"] - requested}
     if imported is not None and imported.began_at > requested:  # imported for this probe: a cold start
         phases |= {"process_start_s": imported.began_at - requested,
