@@ -17,11 +17,16 @@ from tests.helpers import assert_states_close, job, load_model
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
+def our_processes() -> list[psutil.Process]:
+    """This process and the processes it started: the local Ray's GCS, raylet, agents and workers, the runs'
+    Controllers and ranks."""
+    return [psutil.Process(), *psutil.Process().children(recursive=True)]
+
+
 def listening_addresses() -> list[tuple[str, str, int]]:
-    """(process name, host, port) of every TCP socket listening in this process and the processes it started:
-    the local Ray's GCS, raylet, agents and workers, the runs' Controllers and ranks."""
+    """(process name, host, port) of every TCP socket listening in one of our processes."""
     found = []
-    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+    for process in our_processes():
         try:
             name = process.name()
             connections = process.net_connections(kind="tcp")
@@ -41,6 +46,17 @@ def answers(host: str, port: int) -> bool:
         return False
 
 
+def listener_pid(host: str, port: int) -> int | None:
+    """The process listening where a connection to ``host:port`` lands: another Ray instance on this machine
+    (a parallel test's, a user's) may hold the same port on the network address while ours holds it on
+    loopback, and reaching that one says nothing about this run."""
+    for connection in psutil.net_connections(kind="tcp"):
+        if (connection.status == psutil.CONN_LISTEN and connection.laddr.port == port
+                and connection.laddr.ip in (host, "0.0.0.0", "::")):
+            return connection.pid
+    return None
+
+
 def test_every_listener_of_the_local_ray_and_its_run_is_on_loopback_and_the_network_finds_none(tmp_path):
     assert is_loopback(ray.util.get_node_ip_address())
     seen: list[list[tuple[str, str, int]]] = []
@@ -50,8 +66,10 @@ def test_every_listener_of_the_local_ray_and_its_run_is_on_loopback_and_the_netw
     def probe(progress) -> None:
         if progress.state == "running" and not seen:
             seen.append(listening_addresses())
+            ours = {process.pid for process in our_processes()}
             if address is not None:
-                reached.extend((name, port) for name, _, port in seen[0] if answers(address, port))
+                reached.extend((name, port) for name, _, port in seen[0]
+                               if answers(address, port) and listener_pid(address, port) in ours)
 
     probed = train(job(name="loopback-probed"), run_dir=tmp_path / "probed", on_progress=probe)
     assert seen, "the run was never seen running"
