@@ -14,9 +14,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 def pytest_configure(config) -> None:
-    """Compile our packages' bytecode once, in the main process: where PYTHONDONTWRITEBYTECODE is set (CI's
-    machines set it), every process a test starts (each Ray worker, ~4 per run) would compile our sources
-    again, ~0.2 s of CPU each. It only reads what is here."""
+    """Compile our packages' bytecode once, in the main process: where PYTHONDONTWRITEBYTECODE is set (this
+    project's machines set it), every process a test starts (each Ray worker, ~4 per run) would compile our
+    sources again, ~0.2 s of CPU each; with the bytecode there, they only read it."""
     if not hasattr(config, "workerinput"):  # the main process, before pytest-xdist starts its workers
         for package in PACKAGES:
             compileall.compile_dir(REPO_ROOT / package, quiet=1)
