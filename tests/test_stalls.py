@@ -33,7 +33,8 @@ def _stop_rank_while_forming(rank: int) -> tuple:
     def on_progress(progress: RunStatus) -> None:
         if not stopped and progress.state == "forming" and progress.generation == 0 and progress.members:
             actor = ray.get_actor(progress.members[rank])
-            stopped.update(worker=progress.members[rank], pid=ray.get(actor.pid.remote()), at=time.monotonic())
+            stopped.update(worker=progress.members[rank], pid=ray.get(actor.pid.remote()), at=time.monotonic(),
+                           wall=time.time())
             os.kill(stopped["pid"], signal.SIGSTOP)
 
     return on_progress, stopped
@@ -44,13 +45,15 @@ def test_a_worker_stopped_while_the_group_forms_is_found_within_the_step_timeout
     config = job("strategy.name=zero2", "scaling.min_workers=1", "scaling.max_workers=2", "training.steps=30",
                  "workload.name=tests.fault_workloads:SlowBuildDigits", "workload.options={delay_s: 4}",
                  *DEFAULT_TIMEOUTS, name="joinstop")
+    began = time.time()
     try:
         result = train(config, run_dir=tmp_path, on_progress=on_progress)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stopped["pid"], signal.SIGCONT) if stopped else None
     failed = [e for e in result.events if e.type == "worker_failed"]
-    assert stopped and [e.details["worker"] for e in failed] == [stopped["worker"]], failed
+    stopped_s = stopped["wall"] - began if stopped else None  # on the events' clock, give or take the Controller's start
+    assert stopped and [e.details["worker"] for e in failed] == [stopped["worker"]], (stopped_s, result.events)
     assert "no answer" in failed[0].details["reason"] and "join" in failed[0].details["reason"], failed
     assert result.final_step == 30
 
