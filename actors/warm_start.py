@@ -39,7 +39,8 @@ imported: ImportTimes | None = None
 """When this process's setup hook imported the training modules; None: the hook did not run here (or failed)."""
 
 
-TRAINS_NOTHING = {"env_vars": {"RAYLASTIC_TRAINS_NOTHING": "1"}}
+TRAINS_NOTHING_VARIABLE = "RAYLASTIC_TRAINS_NOTHING"
+TRAINS_NOTHING = {"env_vars": {TRAINS_NOTHING_VARIABLE: "1"}}
 """``.options(runtime_env=TRAINS_NOTHING)`` for an actor that trains and starts nothing (the rendezvous keys): its
 process skips these imports. Not for one that starts actors: they would inherit it (Ray merges env_vars)."""
 
@@ -48,7 +49,7 @@ def import_training_modules() -> None:
     """Import what a worker needs before it can train, without touching CUDA: Ray assigns the process its GPUs
     (CUDA_VISIBLE_DEVICES) only when an actor is placed on it, and CUDA reads them once, at its first use."""
     global imported
-    if os.environ.get("RAYLASTIC_TRAINS_NOTHING"):
+    if os.environ.get(TRAINS_NOTHING_VARIABLE):
         return
     began_at = time.time()
     try:

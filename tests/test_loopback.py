@@ -23,10 +23,10 @@ def our_processes() -> list[psutil.Process]:
     return [psutil.Process(), *psutil.Process().children(recursive=True)]
 
 
-def listening_addresses() -> list[tuple[str, str, int]]:
-    """(process name, host, port) of every TCP socket listening in one of our processes."""
+def listening_addresses(processes: list[psutil.Process]) -> list[tuple[str, str, int]]:
+    """(process name, host, port) of every TCP socket listening in one of ``processes``."""
     found = []
-    for process in our_processes():
+    for process in processes:
         try:
             name = process.name()
             connections = process.net_connections(kind="tcp")
@@ -65,8 +65,9 @@ def test_every_listener_of_the_local_ray_and_its_run_is_on_loopback_and_the_netw
 
     def probe(progress) -> None:
         if progress.state == "running" and not seen:
-            seen.append(listening_addresses())
-            ours = {process.pid for process in our_processes()}
+            processes = our_processes()
+            seen.append(listening_addresses(processes))
+            ours = {process.pid for process in processes}
             if address is not None:
                 reached.extend((name, port) for name, _, port in seen[0]
                                if answers(address, port) and listener_pid(address, port) in ours)
