@@ -7,7 +7,8 @@ deadlock in a live process) is hung too. Once one member failed, the others may 
 collective for up to failure.collective_timeout_s per rendezvous the call holds: they must have ended
 before the next generation's calls run beside them in the same processes, and one that has not by then is
 hung. The outcome: the results, or ``MembersFailed`` naming the dead and hung (those whose collective merely
-lost a peer are survivors), or ``MemberRaised`` for an error of the job itself.
+lost a peer are survivors), or ``MemberRaised`` for an error of the job itself. A hung member is killed the
+moment it is found, so that its peers' waits for it end too.
 
 Example (``WorkerGroup.call_all``)::
 
@@ -89,7 +90,7 @@ def call_members(members: list[Any], method: str, args: list[tuple] | None, *, b
                 lost.append(LostWorker(member.name, death_reason(error), rank))
             except ray.exceptions.RayTaskError as error:
                 if isinstance(error.cause, TrainingThreadHung):
-                    lost.append(LostWorker(member.name, f"hung: {error.cause}", rank))
+                    lost.append(_killed(member, f"hung: {error.cause}", rank))
                 elif is_peer_loss(error.cause):
                     survivors_saw_a_loss = True
                 else:
@@ -98,14 +99,21 @@ def call_members(members: list[Any], method: str, args: list[tuple] | None, *, b
         now = time.monotonic()
         for ref, rank in [(ref, rank) for ref, rank in calls.items() if now - heard[rank] > bounds.step_timeout_s]:
             del calls[ref]
-            lost.append(LostWorker(members[rank].name, f"hung: no answer for {now - heard[rank]:.0f}s during its "
-                                   f"{method} call (failure.step_timeout_s={bounds.step_timeout_s})", rank))
+            lost.append(_killed(members[rank], f"hung: no answer for {now - heard[rank]:.0f}s during its {method} "
+                                f"call (failure.step_timeout_s={bounds.step_timeout_s})", rank))
             failed_at = failed_at or now
         if now >= limit:
             break
     why = (f"did not end within {rendezvous} collective timeout(s) of the failure" if failed_at is not None else
            f"did not end within failure.max_step_s={bounds.max_call_s} and its collective timeouts")
-    lost += [LostWorker(members[rank].name, f"hung: its {method} call {why}", rank) for rank in calls.values()]
+    lost += [_killed(members[rank], f"hung: its {method} call {why}", rank) for rank in calls.values()]
     if lost or survivors_saw_a_loss:
         raise MembersFailed(lost)
     return results
+
+
+def _killed(member: Any, reason: str, rank: int) -> LostWorker:
+    """A hung member, killed at once: until its process is gone its peers wait for it inside a collective (and
+    while a gloo group connects, up to 5x the group's timeout), so they could not end their own calls."""
+    ray.kill(member.actor, no_restart=True)
+    return LostWorker(member.name, reason, rank)

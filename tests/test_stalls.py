@@ -12,9 +12,12 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 import ray
 
+from actors.member_calls import CallBounds, MembersFailed, call_members
+from actors.membership import Member
 from actors.run_status import RunStatus
 from cluster.job import train
 from tests.helpers import job
@@ -71,6 +74,31 @@ def test_a_save_gives_up_on_a_stopped_peer_at_the_collective_timeout(tmp_path):
         assert time.monotonic() - started < 120
     finally:
         os.kill(pid, signal.SIGCONT)
+        for actor in actors:
+            ray.kill(actor)
+
+
+def test_a_member_that_answers_nothing_is_killed_so_its_peer_stops_waiting_for_it(tmp_path):
+    """A stopped member holds its peers in a collective (or, while a group connects, 5x gloo's timeout) until its
+    process is gone: the call kills it the moment it is found hung, so the peer's wait ends then too."""
+    workers = workers_of(tmp_path, 4, "strategy.name=zero2", collective_timeout_s=60.0)
+    actors = workers.start(2)
+    workers.join(0, actors)
+    members = [Member(actor=actor, slot=None, name=f"worker{rank}") for rank, actor in enumerate(actors)]
+    pid = ray.get(actors[1].pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MembersFailed) as failure:
+            call_members(members, "save_checkpoint", None,
+                         bounds=CallBounds(collective_timeout_s=60.0, step_timeout_s=3.0, max_call_s=600.0))
+        waited_s = time.monotonic() - started
+        assert [lost.name for lost in failure.value.lost] == ["worker1"], failure.value.lost
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert waited_s < 30.0, waited_s  # the peer's collective would have waited out its 60 s
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
         for actor in actors:
             ray.kill(actor)
 
