@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
-from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, micro_batches
+from actors.batch_split import BatchSplit
+from actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
 from jobconfig import DataConfig
 
 Collate = Callable[[list[Any]], Any]

@@ -67,8 +67,7 @@ from actors.run_status import RunFailed, RunResult, RunStatus
 from actors.share_book import ShareBook
 from actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
 from jobconfig import JobConfig
-from strategies import build_strategy
-from strategies.checkpoint import Checkpoint, Checkpointer
+from strategies.checkpoint_catalogue import Checkpoint, CheckpointSettings
 from strategies.checkpoint_manifest import read_manifest
 from strategies.peer_restore import plan_peer_restore
 
@@ -84,7 +83,7 @@ class Controller:
         self.log = RunLog()
         self.metrics = RunMetrics(job.name)
         self.checkpoints = RunCheckpoints(root=checkpoint_root, config_hash=job.math_hash(), log=self.log)
-        self.replicated = build_strategy(job.strategy).replicated
+        self.replicated = job.strategy.replicated
         self.scaling_policy = ScalingPolicy(min_workers=job.scaling.min_workers, max_workers=job.scaling.max_workers,
                                             spare_workers=job.scaling.spare_workers)
         self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
@@ -92,7 +91,7 @@ class Controller:
                                      collective_timeout_s=job.failure.collective_timeout_s)
         self.faults = FaultPlan(job.faults)
         if group is None:
-            checkpointer = Checkpointer(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
+            checkpointer = CheckpointSettings(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
                                         num_to_keep=job.checkpoint.num_to_keep, config_hash=job.math_hash(),
                                         global_batch_size=job.training.global_batch_size,
                                         async_save=job.checkpoint.async_save)

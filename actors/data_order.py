@@ -23,36 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.batch_split import BatchSplit
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BatchSplit:
-    """How many of each step's samples every rank takes, in rank order (each at least one)."""
-
-    sizes: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        assert self.sizes and all(isinstance(s, int) and s >= 1 for s in self.sizes), self.sizes
-
-    @classmethod
-    def even(cls, global_batch_size: int, world_size: int) -> BatchSplit:
-        """Sizes that differ by at most one (``rank_slice``)."""
-        return cls(tuple(stop - start for start, stop in (rank_slice(global_batch_size, r, world_size)
-                                                          for r in range(world_size))))
-
-    @property
-    def world_size(self) -> int:
-        return len(self.sizes)
-
-    @property
-    def global_batch_size(self) -> int:
-        return sum(self.sizes)
-
-    def bounds(self, rank: int) -> tuple[int, int]:
-        """[start, stop) of ``rank``'s slice of the step's samples."""
-        start = sum(self.sizes[:rank])
-        return start, start + self.sizes[rank]
 
 
 @dataclass
@@ -109,12 +82,6 @@ def short_dataset_warning(num_samples: int, global_batch_size: int) -> str:
             f"{global_batch_size}: every step's {global_batch_size} samples span consecutive epochs' orders, so at "
             f"least {global_batch_size - num_samples} of them repeat a sample already in that step; set "
             f"training.global_batch_size to at most {num_samples} for no sample to repeat within a step")
-
-
-def rank_slice(global_batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[start, stop) of rank's contiguous share of a global batch; shares differ by at most one."""
-    assert 0 <= rank < world_size <= global_batch_size, (rank, world_size, global_batch_size)
-    return rank * global_batch_size // world_size, (rank + 1) * global_batch_size // world_size
 
 
 def micro_batch_count(split: BatchSplit, micro_batch_size: int | None) -> int:

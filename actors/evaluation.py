@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from actors.batch_split import rank_slice
 from actors.batches import fetch_batch, loader_inputs, to_device
-from actors.data_order import rank_slice
 from workloads.protocol import Workload
 
 

@@ -9,8 +9,7 @@ replacement, so it ends the run at once with its traceback.
 from __future__ import annotations
 
 import re
-
-import torch.distributed as dist
+import sys
 
 PEER_LOSS_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "ProcessGroupNCCL",
                      "NCCL communicator", "Socket Timeout", "failed to recv, got 0 bytes")
@@ -20,10 +19,11 @@ that name its transport; NCCL's and the store's are DistErrors."""
 
 def is_peer_loss(error: BaseException) -> bool:
     """True when ``error`` says a collective lost its peer (died, hung, aborted), not that the job is wrong."""
+    dist = sys.modules.get("torch.distributed")  # imported wherever one of its errors was unpickled
     seen: set[int] = set()
     while error is not None and id(error) not in seen:  # DCP and Ray wrap the collective's error
         seen.add(id(error))
-        if isinstance(error, dist.DistError) or any(marker in str(error) for marker in PEER_LOSS_MARKERS):
+        if (dist is not None and isinstance(error, dist.DistError)) or any(m in str(error) for m in PEER_LOSS_MARKERS):
             return True
         error = error.__cause__ or error.__context__
     return False

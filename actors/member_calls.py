@@ -27,7 +27,7 @@ import ray
 from actors.failures import is_peer_loss, plain_error
 from actors.group_status import LostWorker
 from actors.poller import death_reason
-from actors.worker import TrainingThreadHung
+from actors.worker_actor import TrainingThreadHung
 
 COLLECTIVE_GRACE_S = 5.0
 """Beyond failure.collective_timeout_s: how long members may take to give up on a dead peer."""

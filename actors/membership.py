@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 from actors.failures import plain_error
 from actors.placement import ReservedSlots, WorkerSlots
 from actors.warm_start import WarmProcesses
-from actors.worker import TrainWorkerActor, WorkerSpec
+from actors.worker_actor import TrainWorkerActor, WorkerSpec
 from jobconfig.naming import worker_name
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from actors.group_status import DONE_PHASES, GroupStatus, LostWorker
 from jobconfig import StrategyConfig
-from strategies.checkpoint import Checkpoint
+from strategies.checkpoint_catalogue import Checkpoint
 from strategies.peer_restore import PeerRestorePlan
 
 # -- scaling --------------------------------------------------------------------------------------------------

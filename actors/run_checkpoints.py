@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.events import RunLog
-from strategies.checkpoint import Checkpoint, Rejected, newest_complete
+from strategies.checkpoint_catalogue import Checkpoint, Rejected, newest_complete
 
 
 class ForeignCheckpoint(ValueError):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from actors.group_status import LostWorker
-from strategies.checkpoint import Checkpoint
+from strategies.checkpoint_catalogue import Checkpoint
 
 
 @dataclass(frozen=True)

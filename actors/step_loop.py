@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from actors.batch_split import BatchSplit
 from actors.batches import planned_batches, to_device
 from actors.compute_clock import ComputeClock
-from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, micro_batches
+from actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
 from actors.recipe import clip_gradients, learning_rate, set_learning_rate
 from jobconfig import DataConfig, OptimConfig
 from strategies.base import Strategy, TrainState

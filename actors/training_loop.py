@@ -40,6 +40,7 @@ from actors.mailbox import StatusMailbox
 from actors.run_status import Event
 from actors.step_loop import StepRunner
 from actors.stop_vote import StopVote
+from actors.worker_actor import TrainingThreadHung
 from jobconfig import DataConfig, EvalConfig, TrainingConfig
 from strategies.base import TrainState
 from strategies.buddy_copy import BuddyCopies
@@ -47,10 +48,6 @@ from strategies.process_group import abort_group
 
 LOOP_EXIT_GRACE_S = 5.0
 """Beyond the collective timeout: how long a leaving loop thread may take to give up on its peers."""
-
-
-class TrainingThreadHung(RuntimeError):
-    """The step-loop thread did not end when asked: the Controller replaces this worker."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ import gc
 import importlib
 import logging
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
 import ray
@@ -35,8 +34,9 @@ import torch.distributed as dist
 
 from actors.allocator import keep_freed_memory
 from actors.async_saver import AsyncSaver
+from actors.batch_split import BatchSplit
 from actors.compute_clock import ComputeClock
-from actors.data_order import BatchSplit, GlobalSampleOrder
+from actors.data_order import GlobalSampleOrder
 from actors.evaluation import Evaluator
 from actors.faults import FaultInjector
 from actors.mailbox import StatusMailbox, WorkerStatus
@@ -44,77 +44,26 @@ from actors.priority import run_at_normal_priority
 from actors.recipe import optimizer_factory
 from actors.rendezvous import RayStore
 from actors.step_loop import StepRunner
-from actors.training_loop import BalanceSettings, TrainingLoop, TrainingThreadHung
+from actors.training_loop import BalanceSettings, TrainingLoop
 from actors.warm_start import ProcessStart
+from actors.worker_actor import JoinReport, WorkerSpec
 from jobconfig import (
-    DataConfig,
-    EvalConfig,
     FaultConfig,
-    JobConfig,
-    LinkConfig,
-    OptimConfig,
-    StrategyConfig,
-    TrainingConfig,
-    WorkloadConfig,
 )
-from strategies import build_strategy
 from strategies.base import GroupContext, TrainState, init_optimizer_state, load_scaler, memory_breakdown
 from strategies.buddy_copy import BuddyCopies
+from strategies.build import build_strategy
 from strategies.checkpoint import Checkpointer, load_into, verify_for_load
 from strategies.emulated_link import EmulatedLink
-from strategies.peer_restore import PeerRestorePlan, ShardCopy
+from strategies.group_assignment import GroupAssignment
+from strategies.peer_restore import PeerRestorePlan
 from strategies.plain_objects import all_gather_plain
-from strategies.process_group import GroupAssignment, choose_backend, choose_device, join_group
+from strategies.process_group import choose_backend, choose_device, join_group
 from strategies.shard_copy import KeptShards, gather_shards, keep_shards, load_full_state
 from strategies.shard_layout import effective_replicas
 from workloads import load_workload
 
-__all__ = ["JoinReport", "TrainWorker", "TrainWorkerActor", "TrainingThreadHung", "WorkerSpec", "WorkerStatus"]
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerSpec:
-    """Everything a worker needs to build its part of the job; each piece is its own config."""
-
-    workload: WorkloadConfig
-    training: TrainingConfig
-    optim: OptimConfig
-    strategy: StrategyConfig
-    data: DataConfig
-    eval: EvalConfig
-    use_gpu: bool
-    torch_threads: int
-    checkpointer: Checkpointer
-    profile_dir: str | None = None
-    """Where rank 0 writes its torch profiler trace when training.profile_steps > 0."""
-    balance: str = "auto"
-    """scaling.balance: "auto", the batch split follows the ranks' speeds; "off", even."""
-    straggler_factor: float = 4.0
-    """scaling.straggler_factor."""
-    link: LinkConfig = LinkConfig()
-    """An emulated slow link (tests and demos)."""
-
-    @classmethod
-    def for_job(cls, job: JobConfig, checkpointer: Checkpointer, profile_dir: str | None = None) -> WorkerSpec:
-        """The spec of ``job``'s workers (one torch thread per whole CPU of a worker's slot)."""
-        return cls(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
-                   data=job.data, eval=job.eval, use_gpu=job.scaling.use_gpu,
-                   torch_threads=max(1, int(job.scaling.cpus_per_worker)), checkpointer=checkpointer,
-                   profile_dir=profile_dir, balance=job.scaling.balance, straggler_factor=job.scaling.straggler_factor,
-                   link=job.link)
-
-
-@dataclass(frozen=True)
-class JoinReport:
-    node_id: str
-    step: int
-    """Committed optimizer steps this worker holds (its candidate state for the hand-over). A worker whose
-    state a hand-over left half-received has rebuilt it from the seed: 0."""
-    shard_copies: tuple[ShardCopy, ...] = ()
-    """Sharded strategies: the shards of an earlier generation's state this worker keeps in memory (its own,
-    and its buddy's), for ``plan_peer_restore``; none for a new worker, a replicated strategy, at step 0."""
 
 
 class TrainWorker:
@@ -145,7 +94,7 @@ class TrainWorker:
         self.evaluator = Evaluator(self.workload, batch_size=spec.eval.batch_size, device=self.device,
                                    autocast=self.runner.autocast)
         self.status = StatusMailbox()
-        self.saver = AsyncSaver(spec.checkpointer, strategy=self.strategy, scaler=self.runner.scaler,
+        self.saver = AsyncSaver(Checkpointer.of(spec.checkpointer), strategy=self.strategy, scaler=self.runner.scaler,
                                 status=self.status)
         self.loop = TrainingLoop(runner=self.runner, dataset=dataset, evaluator=self.evaluator, saver=self.saver,
                                  status=self.status, device=self.device, training=training, data=spec.data,
@@ -339,5 +288,3 @@ class TrainWorker:
     def _build_model(self) -> torch.nn.Module:
         return self.workload.build_model().to(self.device)
 
-
-TrainWorkerActor = ray.remote(TrainWorker)

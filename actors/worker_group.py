@@ -37,10 +37,10 @@ from actors.placement import ReservedBundles, ReservedSlots, SlotShape, WorkerSl
 from actors.poller import GenerationPoller, death_reason
 from actors.rendezvous_keys import RendezvousKeys, beside_this_process
 from actors.warm_start import WarmProcesses
-from actors.worker import JoinReport, WorkerSpec
+from actors.worker_actor import JoinReport, WorkerSpec
 from jobconfig import FaultConfig, JobConfig
-from strategies.checkpoint import Checkpointer
-from strategies.process_group import GroupAssignment, new_store_prefix
+from strategies.checkpoint_catalogue import CheckpointSettings
+from strategies.group_assignment import GroupAssignment, new_store_prefix
 
 START_GRACE_S = 1.0
 """After min_workers are placed, how long the start waits for the rest of max_workers."""
@@ -78,7 +78,7 @@ class WorkerGroup:
         self._notices_read_at = -NOTICE_POLL_S
 
     @classmethod
-    def for_job(cls, job: JobConfig, checkpointer: Checkpointer, *, reserved: ReservedBundles | None = None,
+    def for_job(cls, job: JobConfig, checkpointer: CheckpointSettings, *, reserved: ReservedBundles | None = None,
                 profile_dir: str | None = None) -> WorkerGroup:
         """The group of ``job``'s workers, in slots of their own (or in ``reserved`` bundles)."""
         scaling = job.scaling

@@ -131,10 +131,11 @@ class StartupProbe:
     def __init__(self, job_overrides: list[str], store: object) -> None:
         """``store``: a ready RendezvousKeys actor, made before the probe is asked for, as the Controller's is."""
         marks = {"constructor": time.time()}
-        from actors.worker import TrainWorker, WorkerSpec
+        from actors.worker import TrainWorker
+        from actors.worker_actor import WorkerSpec
         from jobconfig import load_job_config
         from strategies.checkpoint import Checkpointer
-        from strategies.process_group import GroupAssignment, new_store_prefix
+        from strategies.group_assignment import GroupAssignment, new_store_prefix
 
         job = load_job_config(None, job_overrides)
         checkpointer = Checkpointer(root=tempfile.mkdtemp(prefix="startup-probe-"), every_steps=0, num_to_keep=1,

@@ -20,8 +20,8 @@ from actors.data_order import GlobalSampleOrder
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
 from jobconfig import OptimConfig, StrategyConfig
-from strategies import build_strategy
 from strategies.base import GroupContext, Strategy, TrainState
+from strategies.build import build_strategy
 from workloads import load_workload
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

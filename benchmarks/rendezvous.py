@@ -34,7 +34,8 @@ from actors.rendezvous import RayStore
 from actors.rendezvous_keys import RendezvousKeys
 from benchmarks._sharded_setup import RESULTS, machine_info
 from cluster.connect import ray_session
-from strategies.process_group import GroupAssignment, join_group, leave_group, new_store_prefix
+from strategies.group_assignment import GroupAssignment, new_store_prefix
+from strategies.process_group import join_group, leave_group
 
 GOAL_EXTRA_S = 0.050
 TIMEOUT_S = 60.0

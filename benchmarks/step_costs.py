@@ -42,8 +42,9 @@ import torch
 import torch.distributed as dist
 
 from actors import step_loop
+from actors.batch_split import BatchSplit
 from actors.batches import planned_batches, to_device
-from actors.data_order import BatchSplit, GlobalSampleOrder
+from actors.data_order import GlobalSampleOrder
 from actors.recipe import clip_gradients, learning_rate, optimizer_factory, set_learning_rate
 from actors.step_loop import StepRunner, seed_rng, step_seed
 from actors.stop_vote import StopVote

@@ -9,6 +9,8 @@ from jobconfig.checks import is_non_negative_int, is_number, is_positive_int, on
 
 StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "diloco", "async_ps"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
+REPLICATED_STRATEGIES = ("ddp", "diloco")
+"""The strategies whose every rank holds the whole state (the rest shard it); each strategy's ``replicated``."""
 Compression = Literal["none", "fp16", "bf16", "powersgd", "topk", "onebit", "int8"]
 COMPRESSIONS: tuple[str, ...] = get_args(Compression)
 DiLoCoCompression = Literal["none", "fp16", "bf16"]
@@ -89,6 +91,11 @@ class StrategyConfig:
     """async_ps: servers serve the parameters extrapolated along their last update by the staleness recent
     gradients had (actors/async_ps/prediction.py), so that a gradient is computed about where it is applied;
     false serves the parameters as they are."""
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank holds the whole state (the built strategy's ``replicated``)."""
+        return self.name in REPLICATED_STRATEGIES
 
     def __post_init__(self) -> None:
         require(self.name in STRATEGIES, "strategy.name", one_of(STRATEGIES), self.name)

@@ -1,31 +1,3 @@
-"""How gradients and state move between workers: one strategy object per job, built from its config."""
-
-from __future__ import annotations
-
-from jobconfig import StrategyConfig
-from strategies.base import Strategy
-from strategies.compression import CompressionOptions
-from strategies.ddp import DDPStrategy
-from strategies.diloco import DiLoCoStrategy
-from strategies.fsdp import FSDPStrategy
-from strategies.zero1 import Zero1Strategy
-
-
-def build_strategy(config: StrategyConfig) -> Strategy:
-    """The strategy for ``config.name``; it sees only its own config."""
-    if config.name == "ddp":
-        options = CompressionOptions(powersgd_rank=config.powersgd_rank, powersgd_start_iter=config.powersgd_start_iter,
-                                     topk_fraction=config.topk_fraction, onebit_warmup_steps=config.onebit_warmup_steps)
-        return DDPStrategy(bucket_cap_mb=config.bucket_cap_mb, compression=config.compression,
-                           compression_options=options, hierarchical=config.hierarchical,
-                           comm_timing=config.comm_timing)
-    if config.name == "zero1":
-        return Zero1Strategy(bucket_cap_mb=config.bucket_cap_mb, replicas=config.replicas)
-    if config.name in ("zero2", "zero3"):
-        return FSDPStrategy(name=config.name, reshard_after_forward=config.name == "zero3", offload=config.offload,
-                            replicas=config.replicas)
-    if config.name == "diloco":
-        return DiLoCoStrategy(sync_every=config.sync_every, outer_lr=config.outer_lr,
-                              outer_momentum=config.outer_momentum, compression=config.compression,
-                              sync_warmup_steps=config.sync_warmup_steps)
-    raise ValueError(f"strategy.name={config.name!r} is not implemented")
+"""How gradients and state move between workers: one strategy object per job, built from its config
+(strategies/build.py). Importing this package imports nothing: the Controller reads checkpoints' catalogue and
+plans restores from here without torch."""

@@ -27,8 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from importlib import metadata
@@ -41,6 +40,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from strategies.checkpoint_catalogue import CheckpointSettings, prune_checkpoints
 from strategies.checkpoint_manifest import (
     MARKER_NAME,
     METADATA_NAME,
@@ -60,18 +60,6 @@ from strategies.plain_objects import all_gather_plain, broadcast_plain
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    path: str
-    manifest: CheckpointManifest
-
-
-@dataclass(frozen=True)
-class Rejected:
-    path: str
-    reason: str
-
-
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written: "could not write checkpoint <directory>: <cause>"."""
 
@@ -89,21 +77,12 @@ class _Preparation:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Checkpointer:
-    """Where and how often the group saves, and how many complete checkpoints it keeps."""
+class Checkpointer(CheckpointSettings):
+    """Saves the group's checkpoints where and as often as its settings say."""
 
-    root: str
-    every_steps: int
-    num_to_keep: int
-    config_hash: str
-    global_batch_size: int
-    async_save: bool = False
-
-    def due(self, step: int) -> bool:
-        return self.every_steps > 0 and step % self.every_steps == 0
-
-    def directory(self, step: int) -> str:
-        return f"{self.root.rstrip('/')}/step_{step:08d}"
+    @classmethod
+    def of(cls, settings: CheckpointSettings) -> Checkpointer:
+        return settings if isinstance(settings, Checkpointer) else cls(**dataclasses.asdict(settings))
 
     def save(self, step: int, state_dict: dict[str, Any], *, strategy: str, world_size: int,
              group: dist.ProcessGroup | None = None) -> Future:
@@ -190,54 +169,6 @@ class Checkpointer:
         return directory
 
 
-def complete_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
-    """Checkpoints under ``root`` with a manifest, oldest first (not yet verified)."""
-    fs, path = filesystem(root)
-    if not fs.exists(path):
-        return []
-    found = []
-    for directory in fs.ls(path, detail=False):
-        if _step_of(directory) is not None:
-            manifest = read_manifest(_same_scheme(root, directory))
-            if manifest is not None:
-                found.append(Checkpoint(_same_scheme(root, directory), manifest))
-    return sorted(found, key=lambda c: c.manifest.step)
-
-
-def newest_loadable(root: str | os.PathLike, max_step: int | None = None) -> tuple[Checkpoint | None, list[Rejected]]:
-    """The newest complete checkpoint (of at most ``max_step``) whose files are intact, and the newer ones
-    rejected on the way."""
-    rejected = []
-    for checkpoint in reversed(complete_checkpoints(root)):
-        if max_step is not None and checkpoint.manifest.step > max_step:
-            continue
-        reason = verify(checkpoint.path, checkpoint.manifest)
-        if reason is None:
-            return checkpoint, rejected
-        rejected.append(Rejected(checkpoint.path, reason))
-    return None, rejected
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Checkpoint | None:
-    return newest_loadable(root)[0]
-
-
-def newest_complete(root: str | os.PathLike, max_step: int | None = None, skip: Collection[str] = ()
-                    ) -> tuple[Checkpoint | None, list[Rejected]]:
-    """As ``newest_loadable``, but its files are checked by their sizes only, none read: what the head node
-    may check of a checkpoint on shared storage. The ranks that load it compare the checksums
-    (``verify_for_load``). ``skip``: checkpoints already refused."""
-    rejected = []
-    for checkpoint in reversed(complete_checkpoints(root)):
-        if (max_step is not None and checkpoint.manifest.step > max_step) or checkpoint.path in skip:
-            continue
-        reason = verify(checkpoint.path, checkpoint.manifest, checksummed=())
-        if reason is None:
-            return checkpoint, rejected
-        rejected.append(Rejected(checkpoint.path, reason))
-    return None, rejected
-
-
 def verify_for_load(directory: str, group: dist.ProcessGroup | None = None) -> str | None:
     """Collective over the loading ranks: each compares the checksums of its share of ``directory``'s files
     (``checksum_share``), so each file is read once, on a rank that loads the checkpoint. Returns why the
@@ -264,28 +195,6 @@ def load_into(state_dict: dict[str, Any], directory: str, group: dist.ProcessGro
         raise CheckpointLoadError(f"could not load checkpoint {directory}: {_cause(error)}") from error
 
 
-def prune_checkpoints(root: str, num_to_keep: int, *, written_step: int) -> None:
-    """Once the checkpoint of ``written_step`` is complete: remove older complete checkpoints beyond the
-    newest ``num_to_keep`` up to it, and older incomplete directories that we wrote (``written_by_us``). A
-    higher step (an earlier life of the run that got further, say) is left alone: the checkpoint just written
-    does not supersede it. So is every directory we did not write, whatever its name."""
-    complete = [c for c in complete_checkpoints(root) if c.manifest.step <= written_step]
-    keep = {c.path for c in complete[-num_to_keep:]}
-    fs, path = filesystem(root)
-    for listed in fs.ls(path, detail=False):
-        step, directory = _step_of(listed), _same_scheme(root, listed)
-        if step is not None and step < written_step and directory not in keep and written_by_us(directory):
-            fs.rm(listed, recursive=True)
-
-
-def _same_scheme(root: str, path: str) -> str:
-    """``path`` as listed by fsspec, written with ``root``'s protocol prefix (if any)."""
-    protocol, sep, _ = str(root).partition("://")
-    if not sep:
-        return path
-    return path if "://" in path else f"{protocol}://{path}"
-
-
 def _is_url(path: str) -> bool:
     return "://" in str(path)
 
@@ -308,12 +217,6 @@ def _require_tensors(state_dict: dict[str, Any]) -> None:
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"checkpoint state {key!r} is of type {type(value).__name__}; only tensors are saved")
-
-
-def _step_of(directory: str) -> int | None:
-    name = directory.rstrip("/").rsplit("/", 1)[-1]
-    digits = name.removeprefix("step_")
-    return int(digits) if name.startswith("step_") and digits.isdigit() else None
 
 
 def _resolved(directory: str) -> Future:

@@ -36,8 +36,6 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from strategies.checkpoint_metadata import load_metadata
-
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 """DCP's index of the checkpoint: which file holds which shard; written by rank 0."""
@@ -130,6 +128,8 @@ def _problem(directory: str, manifest: CheckpointManifest, checksummed: Collecti
             return f"{name} does not match its checksum"
     if (problem := file_problem(directory, METADATA_NAME)) is not None:
         return problem
+    from strategies.checkpoint_metadata import load_metadata  # torch's DCP classes: only where one is checked
+
     try:
         with fs.open(f"{path}/{METADATA_NAME}", "rb") as handle:
             metadata = load_metadata(handle)

@@ -19,38 +19,16 @@ released by ``abort_group`` (it then raises), which must come before that thread
 from __future__ import annotations
 
 import os
-import secrets
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from strategies.group_assignment import GroupAssignment
+
 NCCL_RECOVERY_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
                              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 """Read by ProcessGroupNCCL when a group is created: errors abort the communicators, not the process."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupAssignment:
-    """What the Controller hands a worker for one generation."""
-
-    generation: int
-    rank: int
-    world_size: int
-    store: Any
-    """The run's rendezvous keys (a ``RendezvousKeys`` actor handle); a rank reaches them with a ``RayStore``."""
-    store_prefix: str
-    """The run's random key prefix in the store (``new_store_prefix()``, made once per run)."""
-    timeout_s: float
-    run_step: int = 0
-    """Steps the run had committed when this generation was formed (the same on every rank)."""
-
-
-def new_store_prefix() -> str:
-    """A run's store key prefix: 128 random bits."""
-    return secrets.token_hex(16)
 
 
 def choose_device(use_gpu: bool) -> torch.device:

@@ -17,7 +17,7 @@ from actors.evaluation import Evaluator
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
 from jobconfig import OptimConfig, StrategyConfig
-from strategies import build_strategy
+from strategies.build import build_strategy
 from tests.helpers import step_indices
 
 FEATURES, HIDDEN, CLASSES = 6, 9, 5  # odd sizes: dim-0 shards are uneven at world sizes 2 and 3

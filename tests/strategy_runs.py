@@ -8,12 +8,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from actors.data_order import BatchSplit, GlobalSampleOrder
+from actors.batch_split import BatchSplit
+from actors.data_order import GlobalSampleOrder
 from actors.recipe import optimizer_factory
 from actors.step_loop import StepRunner
 from jobconfig import OptimConfig, StrategyConfig
-from strategies import build_strategy
 from strategies.base import GroupContext, init_optimizer_state
+from strategies.build import build_strategy
 from strategies.checkpoint import Checkpointer, load_into
 from strategies.diloco import WIRE_DTYPES, OuterState
 from workloads import load_workload

@@ -20,7 +20,8 @@ from actors.balance import (
     predicted_step_s,
     proportional_sizes,
 )
-from actors.data_order import BatchSplit, GlobalSampleOrder
+from actors.batch_split import BatchSplit
+from actors.data_order import GlobalSampleOrder
 from tests.distributed_harness import run_distributed as run_on_ranks
 from tests.strategy_runs import GLOBAL_BATCH, train_and_report
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from strategies.checkpoint import complete_checkpoints, newest_complete, newest_loadable, verify_for_load
+from strategies.checkpoint import verify_for_load
+from strategies.checkpoint_catalogue import complete_checkpoints, newest_complete, newest_loadable
 from strategies.checkpoint_manifest import MANIFEST_NAME, checksum_share
 from strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT

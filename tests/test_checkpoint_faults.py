@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from actors.run_status import RunStatus
-from strategies.checkpoint import Checkpointer, CheckpointLoadError, complete_checkpoints, load_into, newest_loadable
+from strategies.checkpoint import Checkpointer, CheckpointLoadError, load_into
+from strategies.checkpoint_catalogue import complete_checkpoints, newest_loadable
 from strategies.checkpoint_manifest import MANIFEST_NAME, read_manifest, verify
 from strategies.checkpoint_metadata import safe_reader
 from strategies.export import load_full_model_state

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from cluster.cli import main as cli_main
-from strategies.checkpoint import complete_checkpoints, newest_loadable
+from strategies.checkpoint_catalogue import complete_checkpoints, newest_loadable
 from strategies.checkpoint_manifest import MANIFEST_NAME, MARKER_NAME, read_manifest, verify
 from strategies.export import load_full_model_state
 from tests.checkpoint_saves import Saves, save_steps, step_dirs
@@ -188,7 +188,7 @@ def test_on_an_fsspec_store_names_and_file_types_are_checked_and_only_our_direct
 
     import fsspec
 
-    from strategies.checkpoint import prune_checkpoints
+    from strategies.checkpoint_catalogue import prune_checkpoints
     from strategies.checkpoint_manifest import CheckpointManifest, checksums, file_problem, write_manifest
 
     fs, root = fsspec.filesystem("memory"), f"memory://checkpoints-{uuid.uuid4().hex}"

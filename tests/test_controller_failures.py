@@ -26,7 +26,7 @@ from actors.run_states import (
     WaitingForWorkers,
 )
 from actors.worker_group import MemberRaised
-from strategies.checkpoint import latest_checkpoint
+from strategies.checkpoint_catalogue import latest_checkpoint
 from strategies.peer_restore import ShardCopy
 from tests.fake_group import STEPS, FakeGroup, controller, events, lose, states_until_end, with_member, write_checkpoint
 

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, micro_batches, rank_slice
+from actors.batch_split import BatchSplit, rank_slice
+from actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
 from jobconfig import TrainingConfig
 from tests.helpers import step_indices
 

@@ -19,7 +19,7 @@ import ray
 from actors.controller import RunFailed
 from cluster.job import train
 from jobconfig.naming import controller_name, worker_name
-from strategies.checkpoint import latest_checkpoint
+from strategies.checkpoint_catalogue import latest_checkpoint
 from strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT
 from tests.helpers import applied_samples, assert_states_close, job, load_model, wait_until_gone, with_ctrl_c_enabled

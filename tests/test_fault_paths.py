@@ -19,11 +19,12 @@ from actors.controller import RunFailed
 from actors.rendezvous_keys import RendezvousKeys
 from actors.run_status import Event, RunStatus
 from actors.training_loop import LOOP_EXIT_GRACE_S
-from actors.worker import TrainWorkerActor, WorkerSpec
+from actors.worker_actor import TrainWorkerActor, WorkerSpec
 from cluster.job import train
 from jobconfig.naming import controller_name
-from strategies.checkpoint import Checkpointer, latest_checkpoint
-from strategies.process_group import GroupAssignment, new_store_prefix
+from strategies.checkpoint import Checkpointer
+from strategies.checkpoint_catalogue import latest_checkpoint
+from strategies.group_assignment import GroupAssignment, new_store_prefix
 from tests.fault_workloads import marker_path
 from tests.helpers import assert_states_close, job, load_model
 from workloads.digits import Digits

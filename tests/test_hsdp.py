@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from strategies.base import memory_breakdown
-from strategies.checkpoint import complete_checkpoints
+from strategies.checkpoint_catalogue import complete_checkpoints
 from strategies.peer_restore import plan_peer_restore
 from strategies.process_group import leave_group
 from strategies.shard_copy import gather_shards, keep_shards, load_full_state

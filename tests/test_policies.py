@@ -35,7 +35,7 @@ from actors.policies import (
     read_drain_notices,
     workers_missing,
 )
-from strategies.checkpoint import Checkpoint
+from strategies.checkpoint_catalogue import Checkpoint
 from strategies.checkpoint_manifest import CheckpointManifest
 from strategies.peer_restore import PeerRestorePlan
 

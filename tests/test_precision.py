@@ -22,8 +22,8 @@ from actors.data_order import GlobalSampleOrder
 from actors.step_loop import StepRunner
 from cluster.job import train
 from jobconfig import OptimConfig, StrategyConfig
-from strategies import build_strategy
 from strategies.base import init_optimizer_state, load_scaler, scaler_entries
+from strategies.build import build_strategy
 from strategies.checkpoint import Checkpointer, load_into
 from strategies.ddp import DDPStrategy
 from strategies.state_transfer import broadcast_training_state

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from actors.rendezvous import RPC_MARGIN_S, RayStore
 from actors.rendezvous_keys import RendezvousKeys, beside_this_process
-from strategies.process_group import GroupAssignment, join_group, leave_group, new_store_prefix
+from strategies.group_assignment import GroupAssignment, new_store_prefix
+from strategies.process_group import join_group, leave_group
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -18,7 +18,7 @@ from actors.controller import RunFailed
 from actors.run_status import RunStatus
 from cluster.job import train
 from jobconfig.naming import controller_name, worker_name
-from strategies.checkpoint import latest_checkpoint
+from strategies.checkpoint_catalogue import latest_checkpoint
 from strategies.checkpoint_manifest import read_manifest
 from tests.helpers import job, wait_until_gone
 

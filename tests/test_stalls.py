@@ -55,7 +55,7 @@ def test_a_worker_stopped_while_the_group_forms_is_found_within_the_step_timeout
         with contextlib.suppress(ProcessLookupError):
             os.kill(stopped["pid"], signal.SIGCONT) if stopped else None
     failed = [e for e in result.events if e.type == "worker_failed"]
-    stopped_s = stopped["wall"] - began if stopped else None  # on the events' clock, give or take the Controller's start
+    stopped_s = stopped["wall"] - began if stopped else None  # on the events' clock, give or take a second
     assert stopped and [e.details["worker"] for e in failed] == [stopped["worker"]], (stopped_s, result.events)
     assert "no answer" in failed[0].details["reason"] and "join" in failed[0].details["reason"], failed
     assert result.final_step == 30

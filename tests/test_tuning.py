@@ -22,7 +22,7 @@ from ray import tune
 
 from jobconfig import JobConfig
 from jobconfig.naming import controller_name, trial_run_name
-from strategies.checkpoint import latest_checkpoint
+from strategies.checkpoint_catalogue import latest_checkpoint
 from tests.helpers import job
 from tuning import EarlyStopping, SweepResult, sweep
 

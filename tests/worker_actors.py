@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import ray
 
 from actors.rendezvous_keys import RendezvousKeys
-from actors.worker import JoinReport, TrainWorkerActor, WorkerSpec
+from actors.worker_actor import JoinReport, TrainWorkerActor, WorkerSpec
 from jobconfig import FaultConfig
 from strategies.checkpoint import Checkpointer
+from strategies.group_assignment import GroupAssignment, new_store_prefix
 from strategies.peer_restore import plan_peer_restore
-from strategies.process_group import GroupAssignment, new_store_prefix
 from tests.helpers import job
 
 

@@ -23,8 +23,9 @@ import torch
 
 from actors.allocator import keep_freed_memory
 from actors.async_ps.leases import Lease, StepReport
+from actors.batch_split import BatchSplit
 from actors.batches import fetch_batch, loader_inputs, to_device
-from actors.data_order import BatchSplit, GlobalSampleOrder, micro_batch_count, micro_batches
+from actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
 from actors.faults import fire, throttle_factor
 from actors.recipe import clip_gradients
 from actors.step_loop import NonFiniteStep, seed_rng, step_seed
