@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from actors.run_status import Event, EventType
 
 if TYPE_CHECKING:
-    from actors.step_loop import StepResult
+    from actors.mailbox import StepResult
 
 
 @dataclass(frozen=True)

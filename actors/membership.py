@@ -16,7 +16,7 @@ from ray.exceptions import RayActorError
 
 from actors.failures import plain_error
 from actors.placement import ReservedSlots, WorkerSlots
-from actors.warm_start import WarmProcesses
+from actors.warm_start import TRAINS, WarmProcesses
 from actors.worker_actor import TrainWorkerActor, WorkerSpec
 from jobconfig.naming import worker_name
 
@@ -84,7 +84,7 @@ class Membership:
             self._spawned += 1
             name = worker_name(self.run_name, self._spawned)
             actor = TrainWorkerActor.options(
-                name=name, scheduling_strategy=self.slots.scheduling(slot),
+                name=name, scheduling_strategy=self.slots.scheduling(slot), runtime_env=TRAINS,
                 **self._actor_options).remote(self.spec)
             started.append(Member(actor=actor, slot=slot, name=name, ready=actor.process_start.remote(),
                                   requested_at=time.time()))
@@ -95,7 +95,8 @@ class Membership:
         Not at spawn: a process started then may serve the spawn itself, and the one Ray started for it,
         which Ray keeps idle only while the node has fewer processes than CPUs, be left instead."""
         if self.warm is not None and constructed:
-            self.warm.top_up({self.slots.node_of(member.slot) for member in constructed})
+            process = ray.get(constructed[0].ready)  # all of the run's workers share one runtime environment
+            self.warm.top_up({self.slots.node_of(member.slot) for member in constructed}, process.runtime_env)
 
     def add_joiners(self, count: int, *, timeout_s: float = 0.0) -> int:
         """Start up to ``count`` new workers on slots that are ready (waiting up to ``timeout_s`` for

@@ -40,6 +40,7 @@ from actors.batch_split import BatchSplit
 from actors.batches import planned_batches, to_device
 from actors.compute_clock import ComputeClock
 from actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
+from actors.mailbox import StepResult
 from actors.recipe import clip_gradients, learning_rate, set_learning_rate
 from jobconfig import DataConfig, OptimConfig
 from strategies.base import Strategy, TrainState
@@ -49,39 +50,6 @@ from workloads.protocol import Workload
 
 class NonFiniteStep(RuntimeError):
     """A step's loss or gradient norm is inf/NaN and training.on_nonfinite is "fail" (an error of the job)."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    step: int
-    """The step's number, 1-based: after it, ``step`` optimizer steps are committed."""
-    loss_sum: float
-    """This rank's loss summed over its samples (the Controller sums it over the ranks)."""
-    samples: int
-    """The samples this rank trained on in this step."""
-    duration_s: float
-    finished_at: float
-    """Wall-clock time (time.time()) when the step was committed."""
-    sample_ids: tuple[int, ...] | None = None
-    """The dataset indices all ranks trained on in this step, gathered (when samples are recorded)."""
-    bytes_sent: int = 0
-    """Gradient bytes this rank put on the wire (its payloads), and what float32 would have been."""
-    uncompressed_bytes: int = 0
-    comm_s: float | None = None
-    """Time buckets spent in communication, and the part of it backward did not hide (None: not
-    timed, unless strategy.comm_timing is set)."""
-    exposed_comm_s: float | None = None
-    skipped: bool = False
-    """The optimizer did not step: the gradients were inf/NaN (training.on_nonfinite=skip, or fp16's
-    loss scaler found an overflow)."""
-    lr: float = 0.0
-    """The learning rate of the step (the first param group's)."""
-    grad_norm: float = 0.0
-    """The global L2 norm of the step's gradient, before clipping."""
-    compute_s: float = 0.0
-    """This rank's own compute in the step, without waiting for its peers (actors/compute_clock.py)."""
-    link_delay_s: float = 0.0
-    """The emulated link's delay for the step's bytes (``link:``), part of ``duration_s``; 0 without one."""
 
 
 @dataclass

@@ -8,7 +8,11 @@ mechanisms take all but the last off the path of a replacement or a joiner:
   every process Ray starts for the job imports them before it takes work.
 - ``WarmProcesses`` asks a node's raylet to start a process for the job ahead of the next worker placed
   there (Ray's ``PrestartWorkers``, which keeps it idle for ``keep_alive_s``). Ray gives an idle process of the
-  job's runtime environment to the next actor placed on that node.
+  workers' runtime environment to the next actor placed on that node.
+
+The Controller and the rendezvous keys train nothing: they run with ``TRAINS_NOTHING``, whose processes skip
+the hook's imports (~1 s of CPU each, for torch._dynamo alone). Ray merges a parent's env_vars into its
+children's, so every actor the Controller starts that trains is started with ``TRAINS``.
 """
 
 from __future__ import annotations
@@ -39,17 +43,19 @@ imported: ImportTimes | None = None
 """When this process's setup hook imported the training modules; None: the hook did not run here (or failed)."""
 
 
-TRAINS_NOTHING_VARIABLE = "RAYLASTIC_TRAINS_NOTHING"
-TRAINS_NOTHING = {"env_vars": {TRAINS_NOTHING_VARIABLE: "1"}}
-"""``.options(runtime_env=TRAINS_NOTHING)`` for an actor that trains and starts nothing (the rendezvous keys): its
-process skips these imports. Not for one that starts actors: they would inherit it (Ray merges env_vars)."""
+ROLE_VARIABLE = "RAYLASTIC_PROCESS_ROLE"
+TRAINS = {"env_vars": {ROLE_VARIABLE: "trains"}}
+"""``.options(runtime_env=TRAINS)`` for an actor that trains, started by one that trains nothing."""
+TRAINS_NOTHING = {"env_vars": {ROLE_VARIABLE: "trains nothing"}}
+"""``.options(runtime_env=TRAINS_NOTHING)`` for an actor that trains nothing (the Controller, the rendezvous
+keys): its process skips these imports."""
 
 
 def import_training_modules() -> None:
     """Import what a worker needs before it can train, without touching CUDA: Ray assigns the process its GPUs
     (CUDA_VISIBLE_DEVICES) only when an actor is placed on it, and CUDA reads them once, at its first use."""
     global imported
-    if os.environ.get(TRAINS_NOTHING_VARIABLE):
+    if os.environ.get(ROLE_VARIABLE) == TRAINS_NOTHING["env_vars"][ROLE_VARIABLE]:
         return
     began_at = time.time()
     try:
@@ -70,10 +76,13 @@ class ProcessStart:
     pid: int
     imported: ImportTimes | None
     """When the job's setup hook imported the training modules here; None: it did not."""
+    runtime_env: str = ""
+    """The process's runtime environment, serialized as Ray matches it: a process started ahead for the next
+    worker must be started in it."""
 
     @classmethod
     def of_this_process(cls) -> ProcessStart:
-        return cls(pid=os.getpid(), imported=imported)
+        return cls(pid=os.getpid(), imported=imported, runtime_env=ray.get_runtime_context().get_runtime_env_string())
 
     def warm(self, requested_at: float) -> bool:
         """Whether the process was ready, modules imported, before the actor was asked for."""
@@ -87,30 +96,29 @@ class WarmProcesses:
     Ray, a network policy), it says so once and workers start cold, as without it."""
 
     def __init__(self, *, keep_alive_s: int = KEEP_ALIVE_S) -> None:
-        context = ray.get_runtime_context()
         self.keep_alive_s = keep_alive_s
-        self._job_id = bytes.fromhex(context.get_job_id())
-        self._runtime_env = context.get_runtime_env_string()
+        self._job_id = bytes.fromhex(ray.get_runtime_context().get_job_id())
         self._raylets: dict[str, object] = {}
         self._failed = False
 
-    def top_up(self, node_ids: set[str]) -> None:
-        """Workers just started on ``node_ids``: start one more process on each, for the next worker there."""
+    def top_up(self, node_ids: set[str], runtime_env: str) -> None:
+        """Workers in ``runtime_env`` (ProcessStart.runtime_env) just started on ``node_ids``: start one more
+        process in it on each, for the next worker there."""
         for node_id in node_ids:
             if self._failed:
                 return
             try:
-                self._raylet(node_id).PrestartWorkers(self._request(), timeout=RPC_TIMEOUT_S)
+                self._raylet(node_id).PrestartWorkers(self._request(runtime_env), timeout=RPC_TIMEOUT_S)
             except Exception as error:  # noqa: BLE001 - an optimisation: without it, workers start cold
                 self._failed = True
                 logger.warning("cannot start warm processes for new workers (%s: %s); they will start cold",
                                type(error).__name__, error)
 
-    def _request(self) -> object:
+    def _request(self, runtime_env: str) -> object:
         from ray.core.generated import common_pb2, node_manager_pb2, runtime_environment_pb2
         return node_manager_pb2.PrestartWorkersRequest(
             language=common_pb2.PYTHON, job_id=self._job_id, num_workers=1, keep_alive_duration_secs=self.keep_alive_s,
-            runtime_env_info=runtime_environment_pb2.RuntimeEnvInfo(serialized_runtime_env=self._runtime_env))
+            runtime_env_info=runtime_environment_pb2.RuntimeEnvInfo(serialized_runtime_env=runtime_env))
 
     def _raylet(self, node_id: str) -> object:
         if node_id not in self._raylets:

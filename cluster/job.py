@@ -34,6 +34,7 @@ from actors.controller import ControllerActor, RunFailed
 from actors.placement import ReservedBundles, remove_run_slots
 from actors.run_checkpoints import default_checkpoint_root
 from actors.run_status import RunResult, RunStatus
+from actors.warm_start import TRAINS_NOTHING
 from cluster.connect import ray_session
 from cluster.run_dir import SeenProgress, locked, require_no_checkpoints, require_writable, write_model, write_result
 from cluster.tensorboard import TensorBoardLog
@@ -155,7 +156,7 @@ def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBu
     # node that may leave, and never inside a Tune trial's bundles: it takes no resources.
     beside_driver = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     controller = AsyncControllerActor if job.strategy.name == "async_ps" else ControllerActor
-    return controller.options(name=name, scheduling_strategy=beside_driver).remote(
+    return controller.options(name=name, scheduling_strategy=beside_driver, runtime_env=TRAINS_NOTHING).remote(
         job, checkpoint_root, reserved, profile_dir)
 
 

@@ -20,9 +20,8 @@ import torch.distributed.checkpoint as dcp
 
 from actors.controller import Controller
 from actors.group_status import GroupStatus, LostWorker, MemberStatus, RankNews
-from actors.mailbox import WorkerStatus
+from actors.mailbox import StepResult, WorkerStatus
 from actors.run_states import Failed, Finished, Stopped
-from actors.step_loop import StepResult
 from actors.worker_actor import JoinReport
 from actors.worker_group import MembersFailed
 from strategies.build import build_strategy

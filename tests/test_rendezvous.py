@@ -15,6 +15,7 @@ from actors.rendezvous import RPC_MARGIN_S, RayStore
 from actors.rendezvous_keys import RendezvousKeys, beside_this_process
 from strategies.group_assignment import GroupAssignment, new_store_prefix
 from strategies.process_group import join_group, leave_group
+from tests.process_imports import training_imports
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -28,16 +29,10 @@ def keys():
     ray.kill(actor)
 
 
-def _setup_hook_imports(_actor) -> dict:
-    import sys
-
-    from actors import warm_start
-    return {"imported": warm_start.imported, "dynamo": "torch._dynamo" in sys.modules}
-
-
 def test_the_keys_process_skips_the_training_imports(keys):
     """It starts with every run: the job's setup hook (torch._dynamo and our training modules) is skipped there."""
-    assert ray.get(keys.__ray_call__.remote(_setup_hook_imports), timeout=120) == {"imported": None, "dynamo": False}
+    assert ray.get(keys.__ray_call__.remote(training_imports), timeout=120) == {"imported": False, "torch": False,
+                                                                                "dynamo": False}
 
 
 def _operations(store: dist.Store) -> list:

@@ -120,7 +120,7 @@ def test_training_workers_run_at_normal_priority_and_keep_freed_memory(tmp_path)
             seen["workers"] = [_niceness_of_threads(ray.get(ray.get_actor(worker_name("nice", i)).pid.remote()))
                                for i in (1, 2)]
             seen["keeps_freed_memory"] = ray.get(ray.get_actor(worker_name("nice", 1)).__ray_call__.remote(
-                lambda self: self.keeps_freed_memory))
+                lambda process: process.worker.keeps_freed_memory))
             controller_pid = ray.get(ray.get_actor(controller_name("nice")).__ray_call__.remote(
                 lambda self: os.getpid()))
             seen["controller"] = _niceness_of_threads(controller_pid)[controller_pid]

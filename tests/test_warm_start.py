@@ -14,7 +14,11 @@ import pytest
 import ray
 
 from actors.warm_start import ProcessStart, WarmProcesses
+from cluster.job import train
+from jobconfig.naming import controller_name
 from tests.conftest import REPO_ROOT
+from tests.helpers import job
+from tests.process_imports import training_imports
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -68,7 +72,8 @@ def place_an_actor(top_up: bool) -> tuple[ProcessStart, float, set[int]]:
     before = idle_processes(raylet)
     started_ahead: set[int] = set()
     if top_up:
-        WarmProcesses().top_up({ray.get_runtime_context().get_node_id()})
+        WarmProcesses().top_up({ray.get_runtime_context().get_node_id()},
+                               ray.get_runtime_context().get_runtime_env_string())
         deadline = time.monotonic() + 60
         while not (started_ahead := idle_processes(raylet) - before) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -86,3 +91,27 @@ def test_an_actor_placed_after_a_top_up_takes_the_process_started_ahead(top_up):
         assert started_ahead == {start.pid}
     else:
         assert start.imported.began_at > requested_at
+
+
+class Probed(Exception):
+    """Raised by the test's on_progress once it has looked: the run stops at its next step boundary."""
+
+
+def test_a_runs_controller_skips_the_training_imports_and_the_workers_it_starts_take_them(tmp_path):
+    """The Controller trains nothing and starts every run: its process skips the setup hook's imports and imports
+    no torch itself while the run trains, while the workers it starts (children, which inherit its runtime
+    environment) still get them."""
+    seen = {}
+
+    def probe(progress) -> None:
+        if progress.state == "running":
+            controller = ray.get_actor(controller_name("hook-roles"))
+            seen["controller"] = ray.get(controller.__ray_call__.remote(training_imports), timeout=60)
+            seen["workers"] = ray.get([ray.get_actor(name).__ray_call__.remote(training_imports)
+                                       for name in progress.members], timeout=60)
+            raise Probed
+
+    with pytest.raises(Probed):
+        train(job("training.steps=100000", name="hook-roles"), run_dir=tmp_path, on_progress=probe)
+    assert seen["controller"] == {"imported": False, "torch": False, "dynamo": False}
+    assert seen["workers"] == [{"imported": True, "torch": True, "dynamo": True}] * 2

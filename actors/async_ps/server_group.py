@@ -36,6 +36,7 @@ from actors.async_ps.server import (
     UnreadableCheckpoint,
 )
 from actors.controller import RunFailed
+from actors.warm_start import TRAINS
 from jobconfig import JobConfig
 
 
@@ -184,7 +185,7 @@ class ServerGroup:
                           faults=tuple(f for f in self.faults if f.rank == index))
         return ParameterServerActor.options(
             name=f"{self.prefix}server{index}", num_cpus=job.strategy.server_cpus, max_restarts=0,
-            scheduling_strategy=self.place(index),
+            scheduling_strategy=self.place(index), runtime_env=TRAINS,
         ).remote(spec, index=index, names=list(self.shards[index]))
 
 

@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.async_ps.worker import AsyncWorkerActor, AsyncWorkerSpec
 from actors.placement import ReservedBundles
+from actors.warm_start import TRAINS
 from jobconfig import JobConfig
 
 
@@ -48,6 +49,7 @@ class WorkerPool:
         actor = AsyncWorkerActor.options(
             name=name, num_cpus=job.scaling.cpus_per_worker, num_gpus=1 if job.scaling.use_gpu else 0,
             resources=job.scaling.resources_per_worker or None, max_restarts=0, scheduling_strategy=self.place(index),
+            runtime_env=TRAINS,
         ).remote(spec, ray.get_runtime_context().current_actor)
         self.workers[name] = (index, actor, actor.run.remote())
         return name
