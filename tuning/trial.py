@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from ray.tune import PlacementGroupFactory
 
 from actors.placement import ReservedBundles
 from actors.run_status import RunStatus
-from cluster.job import train
+from cluster.job import CONTROLLER_END_S, STOP_TIMEOUT_S, train
 from jobconfig import JobConfig
 from jobconfig.naming import trial_run_name
 from tuning.search_space import SearchSpace
@@ -37,6 +38,8 @@ COMPLETED = "completed"
 FINAL_STEP = "final_step"
 """In the last report instead of "step", so that ASHA, which stops trials on "step", ignores it."""
 STEP_METRICS = ("step", "time_s", "loss", "samples_per_s", "world_size")
+WIND_DOWN_S = STOP_TIMEOUT_S + CONTROLLER_END_S + 5
+"""The most a stopped trial's job takes to end: the stop at a step boundary, then the Controller's end."""
 DRIVER_BUNDLE = {"CPU": 0.01}
 """Bundle 0: the trial function (the job's driver); the Controller itself asks for no resources."""
 
@@ -65,6 +68,10 @@ def run_trial(config: dict[str, Any], *, base: JobConfig, space: SearchSpace, sw
     The job's run directory is ``<jobs_dir>/<trial id>``, outside the trial directories Tune stages
     and syncs, so a resumed trial finds its job's checkpoints there.
     """
+    # Ray Tune gives this actor the next trial once this function has returned, waiting for that only
+    # TUNE_FUNCTION_THREAD_TIMEOUT_S (2 s by default); a stopped job that took longer (ASHA stopped it, on a busy
+    # machine) left the sweep waiting forever for a trial that Tune never started.
+    os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(int(WIND_DOWN_S))
     trial_id = tune.get_context().get_trial_id()
     job = trial_job(base, space, config, sweep_name=sweep_name, trial_id=trial_id)
     placement_group = ray.util.get_current_placement_group()
