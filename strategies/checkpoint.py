@@ -12,7 +12,8 @@ is the strategies' canonical layout (strategies/base.py), so a checkpoint saved 
 any world size loads into any other. Checkpoints hold tensors only; DCP's small pickled
 ``.metadata`` is read by strategies/checkpoint_metadata.py, which allows only DCP's own classes, so loading a
 checkpoint cannot run arbitrary code. ``root`` is a local or shared path, or an fsspec URL
-(``s3://bucket/run``, ``memory://`` ...).
+(``s3://bucket/run``, ``memory://`` ...). Which checkpoints exist, are complete and may be loaded, and pruning:
+strategies/checkpoint_catalogue.py (no torch: the Controller reads it).
 
 Example (every rank calls, in the same order)::
 

@@ -28,7 +28,6 @@ class Rejected:
     reason: str
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSettings:
     """Where and how often the group saves, and how many complete checkpoints it keeps (the saving itself:
