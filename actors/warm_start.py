@@ -101,9 +101,10 @@ class WarmProcesses:
         self._raylets: dict[str, object] = {}
         self._failed = False
 
-    def top_up(self, node_ids: set[str], runtime_env: str) -> None:
-        """Workers in ``runtime_env`` (ProcessStart.runtime_env) just started on ``node_ids``: start one more
-        process in it on each, for the next worker there."""
+    def top_up(self, node_ids: set[str], runtime_env: str | None = None) -> None:
+        """Workers in ``runtime_env`` (ProcessStart.runtime_env; None: this process's) just started on
+        ``node_ids``: start one more process in it on each, for the next worker there."""
+        runtime_env = runtime_env if runtime_env is not None else ray.get_runtime_context().get_runtime_env_string()
         for node_id in node_ids:
             if self._failed:
                 return

@@ -164,8 +164,7 @@ def measure_startup(*, warm: bool) -> dict:
     process started ahead (WarmProcesses, as after a worker starts), given time to import."""
     environment = {}
     if warm:
-        context = ray.get_runtime_context()
-        WarmProcesses().top_up({context.get_node_id()}, context.get_runtime_env_string())
+        WarmProcesses().top_up({ray.get_runtime_context().get_node_id()})
         time.sleep(WARM_PROCESS_GRACE_S)
     else:
         environment = {"runtime_env": {"env_vars": {"RAYLASTIC_STARTUP_PROBE": f"cold-{time.time()}"}}}

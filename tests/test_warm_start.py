@@ -72,8 +72,7 @@ def place_an_actor(top_up: bool) -> tuple[ProcessStart, float, set[int]]:
     before = idle_processes(raylet)
     started_ahead: set[int] = set()
     if top_up:
-        WarmProcesses().top_up({ray.get_runtime_context().get_node_id()},
-                               ray.get_runtime_context().get_runtime_env_string())
+        WarmProcesses().top_up({ray.get_runtime_context().get_node_id()})
         deadline = time.monotonic() + 60
         while not (started_ahead := idle_processes(raylet) - before) and time.monotonic() < deadline:
             time.sleep(0.05)
