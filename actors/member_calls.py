@@ -19,6 +19,7 @@ Example (``WorkerGroup.call_all``)::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +59,10 @@ class CallBounds:
 
 
 def call_members(members: list[Any], method: str, args: list[tuple] | None, *, bounds: CallBounds,
-                 rendezvous: int = 1) -> list[Any]:
-    """``method`` on every member (``args[rank]``), in rank order; the results (see the module's docstring)."""
+                 rendezvous: int = 1, on_failure: Callable[[], Any] | None = None) -> list[Any]:
+    """``method`` on every member (``args[rank]``), in rank order; the results (see the module's docstring).
+    ``on_failure`` is called once, as soon as a member is found lost or a collective lost a peer (a join calls
+    its generation's rendezvous off, so the others' waits on the store end too)."""
     calls = {getattr(m.actor, method).remote(*(args[rank] if args else ())): rank for rank, m in enumerate(members)}
     results: list[Any] = [None] * len(members)
     lost: list[LostWorker] = []
@@ -102,6 +105,9 @@ def call_members(members: list[Any], method: str, args: list[tuple] | None, *, b
             lost.append(_killed(members[rank], f"hung: no answer for {now - heard[rank]:.0f}s during its {method} "
                                 f"call (failure.step_timeout_s={bounds.step_timeout_s})", rank))
             failed_at = failed_at or now
+        if failed_at is not None and on_failure is not None:
+            on_failure()
+            on_failure = None
         if now >= limit:
             break
     why = (f"did not end within {rendezvous} collective timeout(s) of the failure" if failed_at is not None else
@@ -113,7 +119,7 @@ def call_members(members: list[Any], method: str, args: list[tuple] | None, *, b
 
 
 def _killed(member: Any, reason: str, rank: int) -> LostWorker:
-    """A hung member, killed at once: until its process is gone its peers wait for it inside a collective (and
-    while a gloo group connects, up to 5x the group's timeout), so they could not end their own calls."""
+    """A hung member, killed at once: until its process is gone its peers wait for it inside a collective (or for
+    its answer while their group connects), so they could not end their own calls."""
     ray.kill(member.actor, no_restart=True)
     return LostWorker(member.name, reason, rank)

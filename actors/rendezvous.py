@@ -6,8 +6,9 @@ operations travel over Ray's authenticated channel to the actor that holds the r
 ``get`` or ``wait`` per peer), never inside a collective.
 
 Every call is bounded: a blocking ``get`` or ``wait`` by the store's timeout (the group's), any other by
-that timeout too, plus ``RPC_MARGIN_S`` for the call itself; past it, or if the actor is gone, it raises
-``torch.distributed.DistStoreError`` naming the key, as TCPStore does.
+that timeout too, plus ``RPC_MARGIN_S`` for the call itself; past it, if the actor is gone, or if the
+Controller called the generation's rendezvous off, it raises ``torch.distributed.DistStoreError`` naming
+the key, as TCPStore does.
 
 Keep the object referenced until the group built on it is destroyed: the group holds only the C++ side.
 
@@ -24,6 +25,8 @@ from typing import Any
 
 import ray
 import torch.distributed as dist
+
+from actors.rendezvous_keys import RendezvousAborted
 
 RPC_MARGIN_S = 30.0
 """How much longer than the store's timeout a call may take before the actor is taken as unreachable."""
@@ -89,6 +92,8 @@ class RayStore(dist.Store):
             raise dist.DistStoreError(f"rendezvous store: {method}({about!r}) had no answer within {bound_s:.0f} s"
                                       ) from None
         except ray.exceptions.RayError as error:
+            if isinstance(getattr(error, "cause", None), RendezvousAborted):
+                raise dist.DistStoreError(f"rendezvous store: {error.cause}") from None
             raise dist.DistStoreError(f"rendezvous store: {method}({about!r}) failed: {type(error).__name__}: "
                                       f"{error}") from None
 

@@ -8,8 +8,9 @@ here listens on a port of its own.
 
 The semantics are TCPStore's: values are bytes, ``add`` keeps a decimal counter, ``compare_set`` on a
 missing key sets it only when ``expected`` is empty. Waits end at their timeout with None, never
-later; the caller turns that into torch's ``DistStoreError``. The actor is asynchronous, so any number
-of ranks may wait at once. It imports no torch: its process starts in about a second.
+later; the caller turns that into torch's ``DistStoreError``. ``abort`` ends every wait on a generation's
+keys at once (RendezvousAborted), which the caller turns into ``DistStoreError`` too. The actor is
+asynchronous, so any number of ranks may wait at once. It imports no torch: its process starts in about a second.
 
 Example::
 
@@ -28,24 +29,38 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.warm_start import TRAINS_NOTHING
 
 
+class RendezvousAborted(Exception):
+    """A wait on a key of a generation whose forming was called off (a member was lost while it formed)."""
+
+
 class RendezvousKeysStore:
     def __init__(self) -> None:
         self._values: dict[str, bytes] = {}
+        self._aborted: set[str] = set()
+        """Key prefixes whose waits end at once, raising RendezvousAborted."""
         self._changed = asyncio.Condition()
 
     async def set(self, key: str, value: bytes) -> None:
         await self._store(key, value)
 
+    async def abort(self, prefix: str) -> None:
+        """Every wait on a key under ``prefix`` (``<prefix>/...``), now or later, raises RendezvousAborted: the
+        Controller gave up on that generation, and its other ranks must not wait out their timeout for a lost
+        member's key (the member's death does not end a wait on the store)."""
+        async with self._changed:
+            self._aborted.add(prefix + "/")
+            self._changed.notify_all()
+
     async def get(self, key: str, timeout_s: float) -> bytes | None:
         """``key``'s value once it is set; None if it is not within ``timeout_s``."""
-        if await self._until(lambda: key in self._values, timeout_s):
+        if await self._until([key], lambda: key in self._values, timeout_s):
             return self._values[key]
         return None
 
     async def wait(self, keys: list[str], timeout_s: float) -> dict[str, bytes] | None:
         """The values of ``keys`` once every one is set (a rank's ``get`` of them usually follows: it saves
         those calls); None if they are not all set within ``timeout_s``."""
-        if await self._until(lambda: all(key in self._values for key in keys), timeout_s):
+        if await self._until(keys, lambda: all(key in self._values for key in keys), timeout_s):
             return {key: self._values[key] for key in keys}
         return None
 
@@ -80,12 +95,19 @@ class RendezvousKeysStore:
             self._values[key] = value
             self._changed.notify_all()
 
-    async def _until(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+    async def _until(self, keys: list[str], ready: Callable[[], bool], timeout_s: float) -> bool:
+        def aborted() -> bool:
+            return any(key.startswith(prefix) for key in keys for prefix in self._aborted)
+
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(ready), timeout=max(0.0, timeout_s))
+                await asyncio.wait_for(self._changed.wait_for(lambda: aborted() or ready()),
+                                       timeout=max(0.0, timeout_s))
             except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError itself on Python 3.10
                 return False
+            if aborted():
+                raise RendezvousAborted(f"the rendezvous of {keys} was called off: a member was lost while the "
+                                        "group formed")
         return True
 
 

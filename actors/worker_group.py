@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -40,13 +41,15 @@ from actors.warm_start import WarmProcesses
 from actors.worker_actor import JoinReport, WorkerSpec
 from jobconfig import FaultConfig, JobConfig
 from strategies.checkpoint_catalogue import CheckpointSettings
-from strategies.group_assignment import GroupAssignment, new_store_prefix
+from strategies.group_assignment import GroupAssignment, generation_prefix, new_store_prefix
 
 START_GRACE_S = 1.0
 """After min_workers are placed, how long the start waits for the rest of max_workers."""
-JOIN_RENDEZVOUS = 4
-"""Rendezvous a join holds (the group, the checkpoint group, the buddy copies' group, the node ids): each may wait
-one collective timeout."""
+JOIN_RENDEZVOUS = 5
+"""Collective timeouts a join's survivors may wait out after a member was lost: the store's waits end when the
+Controller calls the generation's rendezvous off, the collectives when the lost member's process is gone, but a
+rank waiting for a peer to connect to it waits 5 of them (gloo/transport/tcp/pair.h: that wait has no other bound,
+and the peer's death does not end it)."""
 LONG_POLL_S = 1.0
 """Longest a worker's poll waits for news: how fresh step results are when nothing else happens.
 Each poll costs the Controller, the worker and Ray's services CPU that a small model's steps,
@@ -212,16 +215,23 @@ class WorkerGroup:
         reports = self.call_all("join", [(GroupAssignment(
             generation=self.generation, rank=rank, world_size=self.size, store=self.store,
             store_prefix=self.store_prefix, timeout_s=self.collective_timeout_s,
-            run_step=run_step),) for rank in range(self.size)], rendezvous=JOIN_RENDEZVOUS)
+            run_step=run_step),) for rank in range(self.size)], rendezvous=JOIN_RENDEZVOUS,
+            on_failure=self._call_off_rendezvous)
         for member, report in zip(self.ranked, reports, strict=True):
             member.node_id = report.node_id
         return reports
 
-    def call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1) -> list[Any]:
+    def _call_off_rendezvous(self) -> None:
+        """The forming generation lost a member: its other ranks' waits on the store end now."""
+        self.store.abort.remote(generation_prefix(self.store_prefix, self.generation))
+
+    def call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1,
+                 on_failure: Callable[[], Any] | None = None) -> list[Any]:
         """Call a collective ``method`` on every member (with ``args[rank]``) and return the results, every wait
         bounded (actors/member_calls.py); ``rendezvous``: how many collective timeouts the call may wait out.
         Raises MembersFailed naming the dead and hung, or MemberRaised for an error of the job itself."""
-        return call_members(list(self.membership.members), method, args, bounds=self.bounds, rendezvous=rendezvous)
+        return call_members(list(self.membership.members), method, args, bounds=self.bounds, rendezvous=rendezvous,
+                            on_failure=on_failure)
 
     def call_one(self, rank: int, method: str, *args: Any) -> Any:
         """A call that is no collective, on the member of ``rank``, bounded as ``call_all``'s are."""

@@ -24,6 +24,11 @@ class GroupAssignment:
     """Steps the run had committed when this generation was formed (the same on every rank)."""
 
 
+def generation_prefix(store_prefix: str, generation: int) -> str:
+    """The keys of ``generation``'s group (and of the groups made from it) are ``<this>/...`` in the store."""
+    return f"{store_prefix}/generation/{generation}"
+
+
 def new_store_prefix() -> str:
     """A run's store key prefix: 128 random bits."""
     return secrets.token_hex(16)

@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from strategies.group_assignment import GroupAssignment
+from strategies.group_assignment import GroupAssignment, generation_prefix
 
 NCCL_RECOVERY_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
                              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
@@ -58,7 +58,7 @@ def join_group(assignment: GroupAssignment, backend: str, store: dist.Store) -> 
     leave_group()
     if "nccl" in backend:  # also "cpu:gloo,cuda:nccl"
         os.environ.update(NCCL_RECOVERY_ENVIRONMENT)
-    prefix = f"{assignment.store_prefix}/generation/{assignment.generation}"
+    prefix = generation_prefix(assignment.store_prefix, assignment.generation)
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=assignment.rank,
                             world_size=assignment.world_size, timeout=timedelta(seconds=assignment.timeout_s))
 

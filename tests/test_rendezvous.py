@@ -84,6 +84,26 @@ def test_a_store_whose_actor_is_gone_raises_without_waiting_out_its_timeout(keys
     assert time.monotonic() - started < 120 / 3
 
 
+def test_a_called_off_generation_ends_its_waits_at_once_and_leaves_the_others_alone(keys):
+    store = RayStore(keys, timeout=timedelta(seconds=120))
+    waiting = store_wait.remote(keys, "run/generation/1/0")
+    time.sleep(0.5)
+    ray.get(keys.abort.remote("run/generation/1"), timeout=60)
+    started = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match="called off"):
+        ray.get(waiting, timeout=60)
+    with pytest.raises(dist.DistStoreError, match="called off"):  # a rank that comes late does not wait either
+        store.get("run/generation/1/1")
+    assert time.monotonic() - started < 60
+    store.set("run/generation/10/0", "x")  # a later generation's keys are its own
+    assert store.get("run/generation/10/0") == b"x"
+
+
+@ray.remote(num_cpus=0)
+def store_wait(actor, key: str) -> None:
+    RayStore(actor, timeout=timedelta(seconds=120)).wait([key])
+
+
 @ray.remote(num_cpus=0.5)
 class Rank:
     def __init__(self) -> None:

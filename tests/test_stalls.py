@@ -19,6 +19,7 @@ import ray
 from actors.member_calls import CallBounds, MembersFailed, call_members
 from actors.membership import Member
 from actors.run_status import RunStatus
+from actors.worker_group import JOIN_RENDEZVOUS
 from cluster.job import train
 from tests.helpers import job
 from tests.worker_actors import workers_of
@@ -96,6 +97,31 @@ def test_a_member_that_answers_nothing_is_killed_so_its_peer_stops_waiting_for_i
         assert [lost.name for lost in failure.value.lost] == ["worker1"], failure.value.lost
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         assert waited_s < 30.0, waited_s  # the peer's collective would have waited out its 60 s
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        for actor in actors:
+            ray.kill(actor)
+
+
+def test_a_member_stopped_before_it_joins_ends_its_peers_join_at_once(tmp_path):
+    """A member stopped before it publishes its address: its peer waits in the rendezvous store for a key that
+    never comes (killing the member does not end that wait); the call aborts the generation's rendezvous the
+    moment it finds the member hung, so the peer's join raises then, not at the collective timeout."""
+    workers = workers_of(tmp_path, 4, "strategy.name=zero2", collective_timeout_s=60.0)
+    actors = workers.start(2)
+    members = [Member(actor=actor, slot=None, name=f"worker{rank}") for rank, actor in enumerate(actors)]
+    pid = ray.get(actors[1].pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MembersFailed) as failure:
+            call_members(members, "join", [(workers.assignment(0, rank, 2),) for rank in range(2)],
+                         bounds=CallBounds(collective_timeout_s=60.0, step_timeout_s=3.0, max_call_s=600.0),
+                         rendezvous=JOIN_RENDEZVOUS, on_failure=workers.abort_rendezvous(0))
+        waited_s = time.monotonic() - started
+        assert [lost.name for lost in failure.value.lost] == ["worker1"], failure.value.lost
+        assert waited_s < 30.0, waited_s  # the peer's wait for the key would have lasted its 60 s
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)

@@ -3,6 +3,7 @@ that need to act between the calls of a generation."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -11,7 +12,7 @@ from actors.rendezvous_keys import RendezvousKeys
 from actors.worker_actor import JoinReport, TrainWorkerActor, WorkerSpec
 from jobconfig import FaultConfig
 from strategies.checkpoint import Checkpointer
-from strategies.group_assignment import GroupAssignment, new_store_prefix
+from strategies.group_assignment import GroupAssignment, generation_prefix, new_store_prefix
 from strategies.peer_restore import plan_peer_restore
 from tests.helpers import job
 
@@ -28,11 +29,17 @@ class Workers:
     def start(self, count: int) -> list:
         return [TrainWorkerActor.options(num_cpus=0.5, max_concurrency=2).remote(self.spec) for _ in range(count)]
 
+    def assignment(self, generation: int, rank: int, world_size: int) -> GroupAssignment:
+        return GroupAssignment(generation=generation, rank=rank, world_size=world_size, store=self.store,
+                               store_prefix=self.prefix, timeout_s=self.collective_timeout_s)
+
+    def abort_rendezvous(self, generation: int) -> Callable[[], None]:
+        """What the Controller calls when a member of a forming ``generation`` is lost."""
+        return lambda: self.store.abort.remote(generation_prefix(self.prefix, generation))
+
     def join(self, generation: int, actors: list) -> list[JoinReport]:
-        return ray.get([actor.join.remote(GroupAssignment(
-            generation=generation, rank=rank, world_size=len(actors), store=self.store, store_prefix=self.prefix,
-            timeout_s=self.collective_timeout_s)) for rank, actor in enumerate(actors)],
-            timeout=120)
+        return ray.get([actor.join.remote(self.assignment(generation, rank, len(actors)))
+                        for rank, actor in enumerate(actors)], timeout=120)
 
     def restore_from_peers(self, actors: list, reports: list[JoinReport]) -> int:
         plan = plan_peer_restore([report.shard_copies for report in reports])
