@@ -1,8 +1,9 @@
-"""Shared fixtures: one real local Ray instance per test module, shut down after it."""
+"""Shared fixtures: one real local Ray instance per test process, shared by the modules that use it."""
 
 from __future__ import annotations
 
 import compileall
+import contextlib
 import os
 from pathlib import Path
 
@@ -22,15 +23,44 @@ def pytest_configure(config) -> None:
             compileall.compile_dir(REPO_ROOT / package, quiet=1)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray with 4 logical CPUs (workers use fractions of them on this 2-core machine)."""
-    from cluster.connect import ray_session
+class LocalRay:
+    """The local Ray of one test process (a pytest-xdist worker), shared by every module that uses ``ray_local``: a
+    start and a stop cost ~6 s of CPU, and ~30 modules use it. A module that connects to a Ray of its own (a
+    multi-node ``Cluster``, logical GPUs) stops it first; the next module that needs it starts it again."""
 
+    def __init__(self) -> None:
+        self._session = contextlib.ExitStack()
+        self.running = False
+
+    def start(self) -> None:
+        from cluster.connect import ray_session
+
+        if not self.running:
+            self._session.enter_context(ray_session(min_cpus=4))
+            self.running = True
+
+    def stop(self) -> None:
+        self._session.close()
+        self.running = False
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    ray = LocalRay()
+    try:
+        yield ray
+    finally:
+        ray.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_local(local_ray: LocalRay):
+    """A local Ray with 4 logical CPUs (workers use fractions of them on this 2-core machine), started here as
+    ``train()`` starts one, kept for the modules after this one."""
     cwd = os.getcwd()
     os.chdir(REPO_ROOT)  # workers put the repo root on their path, so tests.* workloads import
     try:
-        with ray_session(min_cpus=4):
-            yield
+        local_ray.start()
+        yield
     finally:
         os.chdir(cwd)

@@ -42,8 +42,9 @@ def test_use_gpu_without_a_cuda_device_is_an_error_naming_the_field():
 
 
 @pytest.fixture
-def ray_with_logical_gpus():
+def ray_with_logical_gpus(local_ray):
     """A local Ray that believes it has 2 GPUs (logical resources): GPU workers are placed, CUDA is absent."""
+    local_ray.stop()
     ray.init(address="local", num_cpus=4, num_gpus=2, namespace=NAMESPACE, include_dashboard=False,
              logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
     try:

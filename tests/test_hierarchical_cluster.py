@@ -33,8 +33,9 @@ BASE = (f"training.steps={STEPS}", "scaling.min_workers=4", "scaling.max_workers
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(local_ray):
     """A head and one more node, 2 CPUs each, on this machine; shut down at the end of the module."""
+    local_ray.stop()
     cwd = os.getcwd()
     os.chdir(REPO_ROOT)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})

@@ -35,7 +35,8 @@ DRAIN_DEADLINE_S = 600
 
 
 @pytest.fixture(scope="module")
-def head():
+def head(local_ray):
+    local_ray.stop()
     os.chdir(REPO_ROOT)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     ray.init(address=cluster.address, namespace=NAMESPACE,
