@@ -345,9 +345,9 @@ class Controller:
         if not any(e.type == "checkpointed" and e.step == self.step for e in self.log.events()):
             self.log.event("checkpointed", self.step, path=path, reason="end of run")  # else the loop's save, reported
         if self.replicated:  # every rank holds it all: one copy, from rank 0, with no collective
-            model_state = self.group.call_one(0, "full_state_dict")
+            model_state = self.group.call_one(0, "full_model_file")
         else:
-            model_state = self.group.call_all("full_state_dict", [(rank == 0,) for rank in range(self.group.size)])[0]
+            model_state = self.group.call_all("full_model_file", [(rank == 0,) for rank in range(self.group.size)])[0]
         try:
             metrics = self.group.call_all("evaluate")[0]
         except MemberRaised as error:

@@ -80,7 +80,8 @@ class RunResult:
     metrics: dict[str, float]
     history: list[dict[str, Any]]
     events: list[Event]
-    model_state: dict[str, Any]
+    model_state: dict[str, Any] | bytes
+    """The full model's state dict; on its way from a worker to the driver, the bytes of its ``torch.save``."""
     checkpoint: str | None
     memory: list[dict[str, int]] | None = None
     """Per rank: bytes of parameters, gradients and optimizer state held at the end of the run."""
@@ -93,7 +94,7 @@ class RunResult:
 class RunFailed(RuntimeError):
     """The run ended with an error; the message says what failed and where the last checkpoint is."""
 
-    def __init__(self, message: str, model_state: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, model_state: dict[str, Any] | bytes | None = None) -> None:
         super().__init__(message)
         self.model_state = model_state
         """The full model, where the run gathered it before it failed (its final evaluation failed)."""

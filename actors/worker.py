@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import io
 import logging
 import os
 from datetime import timedelta
@@ -276,6 +277,17 @@ class TrainWorker:
             if keep:
                 full[name] = tensor.detach().cpu().clone()
         return full if keep else None
+
+    def full_model_file(self, keep: bool = True) -> bytes | None:
+        """Collective for sharded strategies: ``full_state_dict`` as the bytes of its ``torch.save`` (model.pt's),
+        so that it passes through the Controller, which imports no torch, without its tensors being unpickled
+        there (cluster/run_dir.py's ``read_model_file`` reads it back in the driver)."""
+        state = self.full_state_dict(keep)
+        if state is None:
+            return None
+        file = io.BytesIO()
+        torch.save(state, file)
+        return file.getvalue()
 
     def evaluate(self) -> dict[str, float]:
         """Collective: the workload's ``evaluate`` and its distributed ``eval_step`` metrics."""

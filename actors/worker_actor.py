@@ -124,6 +124,9 @@ class TrainWorkerProcess:
     def full_state_dict(self, keep: bool = True) -> dict[str, Any] | None:
         return self.worker.full_state_dict(keep)
 
+    def full_model_file(self, keep: bool = True) -> bytes | None:
+        return self.worker.full_model_file(keep)
+
     def evaluate(self) -> dict[str, float]:
         return self.worker.evaluate()
 

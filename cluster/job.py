@@ -18,6 +18,7 @@ it is left behind.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable
@@ -36,7 +37,15 @@ from actors.run_checkpoints import default_checkpoint_root
 from actors.run_status import RunResult, RunStatus
 from actors.warm_start import TRAINS_NOTHING
 from cluster.connect import ray_session
-from cluster.run_dir import SeenProgress, locked, require_no_checkpoints, require_writable, write_model, write_result
+from cluster.run_dir import (
+    SeenProgress,
+    locked,
+    read_model_file,
+    require_no_checkpoints,
+    require_writable,
+    write_model,
+    write_result,
+)
 from cluster.tensorboard import TensorBoardLog
 from cluster.termination import INTERRUPTED, StopRequest, sigterm_asks
 from cluster.tracking import MlflowLog, RunEnd
@@ -241,12 +250,14 @@ def _end_controller(controller: Any, run_name: str) -> None:
 
 
 def _unwrap(ref: Any) -> RunResult:
+    """The Controller's RunResult, its model read back from the bytes a worker sent."""
     try:
-        return ray.get(ref)
+        result = ray.get(ref)
     except ray.exceptions.RayTaskError as error:
         if isinstance(error.cause, RunFailed):
-            raise RunFailed(str(error.cause), model_state=error.cause.model_state) from None
+            raise RunFailed(str(error.cause), model_state=read_model_file(error.cause.model_state)) from None
         raise
+    return dataclasses.replace(result, model_state=read_model_file(result.model_state))
 
 
 def _ended_as(error: BaseException) -> RunEnd:

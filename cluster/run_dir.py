@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import json
 import math
 import os
@@ -116,6 +117,14 @@ def write_model(run_dir: Path, state: dict[str, torch.Tensor]) -> None:
     except Exception as error:
         temporary.unlink(missing_ok=True)
         raise RunFailed(f"could not write {run_dir / 'model.pt'}: {type(error).__name__}: {error}") from error
+
+
+def read_model_file(model: dict[str, torch.Tensor] | bytes | None) -> dict[str, torch.Tensor] | None:
+    """A RunResult's model as a state dict: a worker sends it as the bytes of its ``torch.save``
+    (TrainWorker.full_model_file), which are this run's own, so not only its tensors are read back."""
+    if not isinstance(model, bytes):
+        return model
+    return torch.load(io.BytesIO(model), map_location="cpu", weights_only=False)
 
 
 def write_result(run_dir: Path, job: JobConfig, *, status: RunEnd, result: RunResult | None = None,

@@ -133,15 +133,15 @@ class FakeGroup:
             return [self._save()] * self.size
         if method == "evaluate":
             return [{"accuracy": 0.9}] * self.size
-        if method == "full_state_dict":
-            return [{}] + [None] * (self.size - 1)
+        if method == "full_model_file":
+            return [b"model.pt"] + [None] * (self.size - 1)
         if method == "memory":
             return [{"parameters": 1}] * self.size
         raise AssertionError(f"unexpected call_all({method!r})")
 
     def call_one(self, rank: int, method: str, *args: object) -> object:
         self._call(method)
-        return {}
+        return b"model.pt"
 
     def start_training(self, until_step: int, faults: list, shares: tuple[int, ...] | None = None) -> None:
         self._call("train")

@@ -42,8 +42,8 @@ FAILING_CALLS = [
     ("running", "train", "ddp"),
     ("resizing", "save_checkpoint", "zero1"),
     ("finishing", "evaluate", "ddp"),
-    ("finishing", "full_state_dict", "ddp"),
-    ("finishing", "full_state_dict", "zero3"),
+    ("finishing", "full_model_file", "ddp"),
+    ("finishing", "full_model_file", "zero3"),
     ("finishing", "memory", "ddp"),
     ("finishing", "save_checkpoint", "ddp"),
 ]
@@ -206,13 +206,13 @@ def test_finishing_saves_then_gathers_then_evaluates_and_a_failed_evaluation_kee
     run.state, run.step, group.steps = Finishing(), STEPS, {"w0": STEPS, "w1": STEPS}
     group.fail("evaluate", MemberRaised("w0 raised an error in evaluate\nTraceback: ValueError: empty eval set"))
     failed = run.advance()
-    assert [c for c in group.calls if c in ("save_checkpoint", "full_state_dict", "evaluate")] == [
-        "save_checkpoint", "full_state_dict", "evaluate"]
-    assert isinstance(failed, Failed) and failed.model_state == {}  # the fake's gathered model
+    assert [c for c in group.calls if c in ("save_checkpoint", "full_model_file", "evaluate")] == [
+        "save_checkpoint", "full_model_file", "evaluate"]
+    assert isinstance(failed, Failed) and failed.model_state == b"model.pt"  # the fake's gathered model
     assert "empty eval set" in failed.reason and f"step_{STEPS:08d}" in failed.reason.split("\n")[0]
     with pytest.raises(RunFailed) as raised:
         run.run()
-    assert raised.value.model_state == {}
+    assert raised.value.model_state == b"model.pt"
 
 
 def test_a_sharded_run_that_lost_a_shard_with_no_copy_and_no_checkpoint_fails_rather_than_restart(tmp_path):

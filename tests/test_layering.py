@@ -1,6 +1,7 @@
 """What each side of the house may import. The Controller's side (the state machine, the worker group, the
-checkpoint catalogue, the worker actor's interface) imports no torch: its process starts every run, and torch
-with what the workers import costs ~3 s of CPU per process."""
+checkpoint catalogue, the worker actor's interface) imports no torch, and a run's Controller process never does,
+the final model included: its process starts every run, and torch with what the workers import costs ~3 s of CPU
+per process."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ import subprocess
 import sys
 
 import pytest
+import ray
+import torch
 
+from actors.run_status import RunStatus
+from cluster.job import train
 from jobconfig import STRATEGIES, StrategyConfig
+from jobconfig.naming import controller_name
 from tests.conftest import REPO_ROOT
+from tests.helpers import job, load_model
+from tests.process_imports import training_imports
 
 CONTROLLER_SIDE = ("actors.controller", "actors.worker_actor", "actors.rendezvous_keys",
                    "strategies.checkpoint_catalogue", "strategies.group_assignment")
@@ -22,6 +30,25 @@ def test_the_controller_side_imports_no_torch(module):
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"{module} imports {done.stdout.strip()}"
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_a_runs_controller_never_imports_torch_the_final_model_included(tmp_path, strategy):
+    """The full model passes through the Controller as model.pt's bytes, read back in the driver."""
+    seen: dict = {}
+
+    def on_progress(progress: RunStatus) -> None:
+        if progress.state == "finished":  # the Controller has returned the result, and still lives
+            seen.update(ray.get(ray.get_actor(controller_name(f"imports-{strategy}")).__ray_call__.remote(
+                training_imports), timeout=60))
+
+    result = train(job(f"strategy.name={strategy}", "training.steps=3", name=f"imports-{strategy}"),
+                   run_dir=tmp_path, on_progress=on_progress)
+    assert seen == {"imported": False, "torch": False, "dynamo": False}
+    assert set(result.model_state) == set(load_model(tmp_path)) and result.model_state
+    for name, tensor in result.model_state.items():
+        assert torch.equal(tensor, load_model(tmp_path)[name])
 
 
 @pytest.mark.parametrize("name", [name for name in STRATEGIES if name != "async_ps"])
