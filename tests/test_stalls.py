@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -79,29 +80,39 @@ def test_a_save_gives_up_on_a_stopped_peer_at_the_collective_timeout(tmp_path):
             ray.kill(actor)
 
 
-def test_a_member_that_answers_nothing_is_killed_so_its_peer_stops_waiting_for_it(tmp_path):
-    """A stopped member holds its peers in a collective (or, while a group connects, 5x gloo's timeout) until its
-    process is gone: the call kills it the moment it is found hung, so the peer's wait ends then too."""
-    workers = workers_of(tmp_path, 4, "strategy.name=zero2", collective_timeout_s=60.0)
-    actors = workers.start(2)
-    workers.join(0, actors)
-    members = [Member(actor=actor, slot=None, name=f"worker{rank}") for rank, actor in enumerate(actors)]
+STOPPED_MEMBER_BOUNDS = CallBounds(collective_timeout_s=60.0, step_timeout_s=3.0, max_call_s=600.0)
+"""A long collective timeout, which the tests below check is not waited out."""
+
+
+@contextlib.contextmanager
+def _second_member_stopped(actors: list) -> Iterator[tuple[list[Member], int]]:
+    """The actors as call_members' members, the second one's process SIGSTOPped (and its pid); at the end it is
+    continued and every actor killed."""
     pid = ray.get(actors[1].pid.remote())
     os.kill(pid, signal.SIGSTOP)
     try:
-        started = time.monotonic()
-        with pytest.raises(MembersFailed) as failure:
-            call_members(members, "save_checkpoint", None,
-                         bounds=CallBounds(collective_timeout_s=60.0, step_timeout_s=3.0, max_call_s=600.0))
-        waited_s = time.monotonic() - started
-        assert [lost.name for lost in failure.value.lost] == ["worker1"], failure.value.lost
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        assert waited_s < 30.0, waited_s  # the peer's collective would have waited out its 60 s
+        yield [Member(actor=actor, slot=None, name=f"worker{rank}") for rank, actor in enumerate(actors)], pid
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
         for actor in actors:
             ray.kill(actor)
+
+
+def test_a_member_that_answers_nothing_is_killed_so_its_peer_stops_waiting_for_it(tmp_path):
+    """A stopped member holds its peers in a collective until its process is gone: the call kills it the moment
+    it is found hung, so the peer's wait ends then too."""
+    workers = workers_of(tmp_path, 4, "strategy.name=zero2", collective_timeout_s=60.0)
+    actors = workers.start(2)
+    workers.join(0, actors)
+    with _second_member_stopped(actors) as (members, pid):
+        started = time.monotonic()
+        with pytest.raises(MembersFailed) as failure:
+            call_members(members, "save_checkpoint", None, bounds=STOPPED_MEMBER_BOUNDS)
+        waited_s = time.monotonic() - started
+        assert [lost.name for lost in failure.value.lost] == ["worker1"], failure.value.lost
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert waited_s < 30.0, waited_s  # the peer's collective would have waited out its 60 s
 
 
 def test_a_member_stopped_before_it_joins_ends_its_peers_join_at_once(tmp_path):
@@ -109,24 +120,15 @@ def test_a_member_stopped_before_it_joins_ends_its_peers_join_at_once(tmp_path):
     never comes (killing the member does not end that wait); the call aborts the generation's rendezvous the
     moment it finds the member hung, so the peer's join raises then, not at the collective timeout."""
     workers = workers_of(tmp_path, 4, "strategy.name=zero2", collective_timeout_s=60.0)
-    actors = workers.start(2)
-    members = [Member(actor=actor, slot=None, name=f"worker{rank}") for rank, actor in enumerate(actors)]
-    pid = ray.get(actors[1].pid.remote())
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with _second_member_stopped(workers.start(2)) as (members, _):
         started = time.monotonic()
         with pytest.raises(MembersFailed) as failure:
             call_members(members, "join", [(workers.assignment(0, rank, 2),) for rank in range(2)],
-                         bounds=CallBounds(collective_timeout_s=60.0, step_timeout_s=3.0, max_call_s=600.0),
-                         rendezvous=JOIN_RENDEZVOUS, on_failure=workers.abort_rendezvous(0))
+                         bounds=STOPPED_MEMBER_BOUNDS, rendezvous=JOIN_RENDEZVOUS,
+                         on_failure=workers.abort_rendezvous(0))
         waited_s = time.monotonic() - started
         assert [lost.name for lost in failure.value.lost] == ["worker1"], failure.value.lost
         assert waited_s < 30.0, waited_s  # the peer's wait for the key would have lasted its 60 s
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-        for actor in actors:
-            ray.kill(actor)
 
 
 def test_a_worker_stopped_amid_async_saves_is_replaced_and_its_peer_carries_on(tmp_path):
