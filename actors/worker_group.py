@@ -228,8 +228,9 @@ class WorkerGroup:
     def call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1,
                  on_failure: Callable[[], Any] | None = None) -> list[Any]:
         """Call a collective ``method`` on every member (with ``args[rank]``) and return the results, every wait
-        bounded (actors/member_calls.py); ``rendezvous``: how many collective timeouts the call may wait out.
-        Raises MembersFailed naming the dead and hung, or MemberRaised for an error of the job itself."""
+        bounded (actors/member_calls.py); ``rendezvous``: how many collective timeouts the call may wait out;
+        ``on_failure``: called once the call is known to have failed. Raises MembersFailed naming the dead and
+        hung, or MemberRaised for an error of the job itself."""
         return call_members(list(self.membership.members), method, args, bounds=self.bounds, rendezvous=rendezvous,
                             on_failure=on_failure)
 
