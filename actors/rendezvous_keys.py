@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.warm_start import TRAINS_NOTHING
+from strategies.group_assignment import generation_prefix
 
 
 class RendezvousAborted(Exception):
@@ -109,6 +111,11 @@ class RendezvousKeysStore:
                 raise RendezvousAborted(f"the rendezvous of {keys} was called off: a member was lost while the "
                                         "group formed")
         return True
+
+
+def call_off_generation(keys: Any, store_prefix: str, generation: int) -> None:
+    """A member of the forming ``generation`` was lost: every wait on its keys in ``keys`` (the actor) ends now."""
+    keys.abort.remote(generation_prefix(store_prefix, generation))
 
 
 RendezvousKeys = ray.remote(num_cpus=0, max_restarts=0)(RendezvousKeysStore)

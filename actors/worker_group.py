@@ -36,12 +36,12 @@ from actors.member_calls import (
 from actors.membership import Member, Membership, StartFailure
 from actors.placement import ReservedBundles, ReservedSlots, SlotShape, WorkerSlots, draining_nodes
 from actors.poller import GenerationPoller, death_reason
-from actors.rendezvous_keys import RendezvousKeys, beside_this_process
+from actors.rendezvous_keys import RendezvousKeys, beside_this_process, call_off_generation
 from actors.warm_start import WarmProcesses
 from actors.worker_actor import JoinReport, WorkerSpec
 from jobconfig import FaultConfig, JobConfig
 from strategies.checkpoint_catalogue import CheckpointSettings
-from strategies.group_assignment import GroupAssignment, generation_prefix, new_store_prefix
+from strategies.group_assignment import GroupAssignment, new_store_prefix
 
 START_GRACE_S = 1.0
 """After min_workers are placed, how long the start waits for the rest of max_workers."""
@@ -223,7 +223,7 @@ class WorkerGroup:
 
     def _call_off_rendezvous(self) -> None:
         """The forming generation lost a member: its other ranks' waits on the store end now."""
-        self.store.abort.remote(generation_prefix(self.store_prefix, self.generation))
+        call_off_generation(self.store, self.store_prefix, self.generation)
 
     def call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1,
                  on_failure: Callable[[], Any] | None = None) -> list[Any]:

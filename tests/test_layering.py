@@ -46,9 +46,9 @@ def test_a_runs_controller_never_imports_torch_the_final_model_included(tmp_path
     result = train(job(f"strategy.name={strategy}", "training.steps=3", name=f"imports-{strategy}"),
                    run_dir=tmp_path, on_progress=on_progress)
     assert seen == {"imported": False, "torch": False, "dynamo": False}
-    assert set(result.model_state) == set(load_model(tmp_path)) and result.model_state
-    for name, tensor in result.model_state.items():
-        assert torch.equal(tensor, load_model(tmp_path)[name])
+    written = load_model(tmp_path)
+    assert set(result.model_state) == set(written) and written
+    assert all(torch.equal(tensor, written[name]) for name, tensor in result.model_state.items())
 
 
 @pytest.mark.parametrize("name", [name for name in STRATEGIES if name != "async_ps"])

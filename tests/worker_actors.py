@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import ray
 
-from actors.rendezvous_keys import RendezvousKeys
+from actors.rendezvous_keys import RendezvousKeys, call_off_generation
 from actors.worker_actor import JoinReport, TrainWorkerActor, WorkerSpec
 from jobconfig import FaultConfig
 from strategies.checkpoint import Checkpointer
-from strategies.group_assignment import GroupAssignment, generation_prefix, new_store_prefix
+from strategies.group_assignment import GroupAssignment, new_store_prefix
 from strategies.peer_restore import plan_peer_restore
 from tests.helpers import job
 
@@ -35,7 +35,7 @@ class Workers:
 
     def abort_rendezvous(self, generation: int) -> Callable[[], None]:
         """What the Controller calls when a member of a forming ``generation`` is lost."""
-        return lambda: self.store.abort.remote(generation_prefix(self.prefix, generation))
+        return lambda: call_off_generation(self.store, self.prefix, generation)
 
     def join(self, generation: int, actors: list) -> list[JoinReport]:
         return ray.get([actor.join.remote(self.assignment(generation, rank, len(actors)))
