@@ -41,6 +41,8 @@ class _Application:
     generation: int
     samples: list[int]
     ranks: set[int] = field(default_factory=set)
+    withdrawn: bool = False
+    """It reached no parameters (async_ps: its worker died before pushing it); its samples are applied again."""
 
 
 @dataclass
@@ -170,6 +172,13 @@ class RunLog:
                 applied.append(application)
             application.ranks.add(rank)
 
+    def withdraw(self, step: int, *, generation: int) -> None:
+        """``generation``'s latest application of ``step`` reached no parameters: it is not kept."""
+        with self._lock:
+            applied = [a for a in self._applications.get(step, []) if a.generation == generation]
+            if applied:
+                applied[-1].withdrawn = True
+
     def ledger(self) -> dict[int, list[dict[str, Any]]]:
         """Every application of every step, in the order they happened::
 
@@ -177,14 +186,15 @@ class RunLog:
 
         ``kept``: the application is part of the final state's lineage. A generation formed from the
         state at step s (handed over or restored from a checkpoint) discards every earlier generation's
-        applications of steps after s; those are redone, and only the redo is kept. A run that applied
+        applications of steps after s; those are redone, and only the redo is kept. A withdrawn application
+        (``withdraw``) is not kept. A run that applied
         each step exactly once has exactly one kept application per step.
         """
         with self._lock:
             formed = [(e.details["generation"], e.step) for e in self._events if e.type == "generation_formed"]
 
             def kept(step: int, application: _Application) -> bool:
-                return all(at >= step for generation, at in formed if generation > application.generation)
+                return not application.withdrawn and all(at >= step for generation, at in formed if generation > application.generation)
 
             return {step: [{"generation": a.generation, "samples": a.samples, "kept": kept(step, a)} for a in applied]
                     for step, applied in sorted(self._applications.items())}

@@ -98,7 +98,10 @@ def fire(fault: FaultConfig) -> None:
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.action == "stall":
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # Sent to this thread: a SIGSTOP sent to the process is taken by its main thread, and the thread
+        # that sent it runs on until the stop reaches it (long enough to finish and report a step).
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        threading.Event().wait()  # continued (SIGCONT), it stays hung, as a stalled step does
     elif fault.action == "raise":
         raise InjectedFault(f"injected fault at step {fault.step} on rank {fault.rank}")
     elif fault.action == "remove_node":

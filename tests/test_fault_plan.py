@@ -5,10 +5,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from actors.faults import FaultInjector, FaultPlan, InjectedFault
 from jobconfig import FaultConfig
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def fault(rank: int, step: int, action: str = "kill") -> FaultConfig:
@@ -73,3 +80,41 @@ def test_a_throttle_outlives_failures_until_its_last_step():
     assert plan.pending == [throttle(1, 1, 2.0, until_step=50), throttle(2, 1, 2.0)]
     plan.disarm(failed_ranks=set(), step=50)
     assert plan.pending == [throttle(2, 1, 2.0)]
+
+
+STALL_FROM_A_THREAD = """
+import sys, threading
+from actors.faults import fire
+from jobconfig import FaultConfig
+
+def step():
+    fire(FaultConfig(action="stall", rank=0, step=1))
+    open(sys.argv[1], "w").write("went on")  # what a stalled step must never reach
+
+threading.Thread(target=step).start()  # a worker's steps run off the main thread, as in a Ray actor
+threading.Event().wait()
+"""
+
+
+def test_a_stall_fired_off_the_main_thread_stops_that_thread_before_it_goes_on(tmp_path):
+    """A SIGSTOP sent to the process is taken by its main thread: the thread that sent it ran on for a while,
+    long enough for an async_ps worker to have its stalled step admitted. Five processes, none may go on."""
+    markers = [tmp_path / f"went_on_{index}" for index in range(5)]
+    processes = [subprocess.Popen([sys.executable, "-c", STALL_FROM_A_THREAD, str(marker)], cwd=REPO)
+                 for marker in markers]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(_stopped(p.pid) for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_stopped(p.pid) for p in processes)
+        time.sleep(0.5)
+        assert [m.name for m in markers if m.exists()] == []
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped by a signal (state T in /proc)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"

@@ -93,6 +93,15 @@ def test_a_step_a_rank_applies_twice_in_one_generation_shows_twice():
     assert _applications(log) == {1: [(0, True)], 2: [(0, True), (0, True)]}
 
 
+def test_a_withdrawn_update_is_not_kept_and_its_samples_applied_again_are():
+    log = RunLog()
+    log.event("generation_formed", 0, generation=1)
+    _commit(log, 1, generation=1, ranks=(0,))  # async_ps: update 1 admitted, its worker died before pushing it
+    log.withdraw(1, generation=1)
+    log.add_samples(2, (2, 3), generation=1, rank=0)  # the same samples, computed again as update 2
+    assert _applications(log) == {1: [(1, False)], 2: [(1, True)]}
+
+
 def _waited_s(log: RunLog, events_since: int, timeout_s: float, then=None) -> float:
     """How long ``wait_for_news`` blocked while ``then`` ran 0.1 s into the wait (in another thread)."""
     started = time.monotonic()

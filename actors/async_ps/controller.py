@@ -261,6 +261,7 @@ class AsyncController:
             self.in_flight.pop(update, None)
             if not any(delivered):
                 self.book.withdraw(update)
+                self.log.withdraw(update, generation=self.epoch)
 
     def _check_heartbeats(self) -> None:
         """Servers and workers that died or hang (a stalled process answers nothing); a server's own error fails
