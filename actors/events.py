@@ -194,7 +194,8 @@ class RunLog:
             formed = [(e.details["generation"], e.step) for e in self._events if e.type == "generation_formed"]
 
             def kept(step: int, application: _Application) -> bool:
-                return not application.withdrawn and all(at >= step for generation, at in formed if generation > application.generation)
+                later = (at for generation, at in formed if generation > application.generation)
+                return not application.withdrawn and all(at >= step for at in later)
 
             return {step: [{"generation": a.generation, "samples": a.samples, "kept": kept(step, a)} for a in applied]
                     for step, applied in sorted(self._applications.items())}

@@ -55,6 +55,37 @@ def sigkill_ranks_once(step: int, ranks: tuple[int, ...]) -> tuple[Callable[[Run
     return on_progress, done
 
 
+class StoppedProcess:
+    """A process this test SIGSTOPped. Continued or killed later only while its pid still names it: a dead
+    process's pid is soon reused (pid_max is 32768 here, and threads take ids too), and a signal sent to the
+    reused one would hit another test's process."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.started = pid, _start_time(pid)
+        os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def end(self) -> None:
+        """Continue and kill it, if it still runs."""
+        self._signal(signal.SIGCONT)
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self.started is not None and _start_time(self.pid) == self.started:
+            os.kill(self.pid, signum)
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat's 22nd field); None if none runs."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(fields[19])
+
+
 def load_model(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(Path(run_dir) / "model.pt", weights_only=True)
 

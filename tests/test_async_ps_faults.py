@@ -5,10 +5,7 @@ a save that fails is a checkpoint_failed event."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import torch
 from actors.async_ps.checkpoints import complete_checkpoints
 from actors.controller import RunFailed
 from cluster.job import train
-from tests.helpers import assert_states_close, job, load_model
+from tests.helpers import StoppedProcess, assert_states_close, job, load_model
 from tests.test_async_ps import applied_tickets
 from workloads.digits import Digits
 
@@ -82,27 +79,17 @@ def test_a_server_whose_update_raises_fails_the_run_with_its_traceback(tmp_path)
     assert result["status"] == "failed" and result["error"] == str(failed.value)
 
 
-def release(pid: int) -> None:
-    """Continue and kill the server we stopped, if Ray has not killed it (only that process: checked by its title)."""
-    with contextlib.suppress(OSError):
-        if b"ParameterServer" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGKILL)
-
-
 def test_a_server_stopped_while_the_controller_waits_on_it_is_replaced_and_the_run_finishes(tmp_path):
     """Issue 29: the Controller's calls to servers had no bound, so a server stopped while one of them waited
     hung the run for good. Server 1 is stopped during the final evaluation; the Controller's next call to it
     (the servers' stats) goes unanswered for failure.step_timeout_s, and it is replaced from the final checkpoint.
     The default failure timeouts."""
-    stopped: list[int] = []
+    stopped: list[StoppedProcess] = []
 
     def stop_server_1_while_evaluating(_progress) -> None:
         if stopped or not (tmp_path / "evaluating").exists():
             return
-        pid = ray.get(ray.get_actor("raylastic:ps-stopped:server1").pid.remote(), timeout=60)
-        os.kill(pid, signal.SIGSTOP)
-        stopped.append(pid)
+        stopped.append(StoppedProcess(ray.get(ray.get_actor("raylastic:ps-stopped:server1").pid.remote(), timeout=60)))
         (tmp_path / "go").touch()
 
     config = job("training.steps=20", *ASYNC, "strategy.num_servers=2", "failure.collective_timeout_s=30",
@@ -111,8 +98,8 @@ def test_a_server_stopped_while_the_controller_waits_on_it_is_replaced_and_the_r
     try:
         result = train(config, run_dir=tmp_path / "run", on_progress=stop_server_1_while_evaluating)
     finally:
-        for pid in stopped:
-            release(pid)
+        for process in stopped:
+            process.end()
     assert stopped and result.final_step == 20
     failed = [e.details for e in result.events if e.type == "server_failed"]
     assert failed == [{"server": 1, "reason": "no answer to stats for 10s (failure.step_timeout_s)"}]

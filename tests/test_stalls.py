@@ -8,8 +8,6 @@ and the run goes on. The run-level tests use the default failure timeouts.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import time
 from collections.abc import Iterator
 
@@ -22,7 +20,7 @@ from actors.membership import Member
 from actors.run_status import RunStatus
 from actors.worker_group import JOIN_RENDEZVOUS
 from cluster.job import train
-from tests.helpers import job
+from tests.helpers import StoppedProcess, job
 from tests.worker_actors import workers_of
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -38,9 +36,8 @@ def _stop_rank_while_forming(rank: int) -> tuple:
     def on_progress(progress: RunStatus) -> None:
         if not stopped and progress.state == "forming" and progress.generation == 0 and progress.members:
             actor = ray.get_actor(progress.members[rank])
-            stopped.update(worker=progress.members[rank], pid=ray.get(actor.pid.remote()), at=time.monotonic(),
-                           wall=time.time())
-            os.kill(stopped["pid"], signal.SIGSTOP)
+            stopped.update(worker=progress.members[rank], at=time.monotonic(), wall=time.time(),
+                           process=StoppedProcess(ray.get(actor.pid.remote())))
 
     return on_progress, stopped
 
@@ -54,8 +51,8 @@ def test_a_worker_stopped_while_the_group_forms_is_found_within_the_step_timeout
     try:
         result = train(config, run_dir=tmp_path, on_progress=on_progress)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(stopped["pid"], signal.SIGCONT) if stopped else None
+        if stopped:
+            stopped["process"].resume()
     failed = [e for e in result.events if e.type == "worker_failed"]
     stopped_s = stopped["wall"] - began if stopped else None  # on the events' clock, give or take a second
     assert stopped and [e.details["worker"] for e in failed] == [stopped["worker"]], (stopped_s, result.events)
@@ -67,15 +64,14 @@ def test_a_save_gives_up_on_a_stopped_peer_at_the_collective_timeout(tmp_path):
     workers = workers_of(tmp_path, 4, "strategy.name=zero2", collective_timeout_s=5.0)
     actors = workers.start(2)
     workers.join(0, actors)
-    pid = ray.get(actors[1].pid.remote())
-    os.kill(pid, signal.SIGSTOP)
+    stopped = StoppedProcess(ray.get(actors[1].pid.remote()))
     try:
         started = time.monotonic()
         with pytest.raises(ray.exceptions.RayTaskError, match="could not write checkpoint|Timed out|timeout"):
             ray.get(actors[0].save_checkpoint.remote(), timeout=300)  # gloo's own default: 30 minutes
         assert time.monotonic() - started < 120
     finally:
-        os.kill(pid, signal.SIGCONT)
+        stopped.resume()
         for actor in actors:
             ray.kill(actor)
 
@@ -88,13 +84,11 @@ STOPPED_MEMBER_BOUNDS = CallBounds(collective_timeout_s=60.0, step_timeout_s=3.0
 def _second_member_stopped(actors: list) -> Iterator[tuple[list[Member], int]]:
     """The actors as call_members' members, the second one's process SIGSTOPped (and its pid); at the end it is
     continued and every actor killed."""
-    pid = ray.get(actors[1].pid.remote())
-    os.kill(pid, signal.SIGSTOP)
+    stopped = StoppedProcess(ray.get(actors[1].pid.remote()))
     try:
-        yield [Member(actor=actor, slot=None, name=f"worker{rank}") for rank, actor in enumerate(actors)], pid
+        yield [Member(actor=actor, slot=None, name=f"worker{rank}") for rank, actor in enumerate(actors)], stopped.pid
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+        stopped.resume()
         for actor in actors:
             ray.kill(actor)
 
