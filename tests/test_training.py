@@ -68,7 +68,7 @@ def test_result_json_and_plain_model_file(tmp_path):
     assert Digits().evaluate(model)["accuracy"] == pytest.approx(result.metrics["accuracy"])
 
 
-def test_readme_main_job_survives_its_killed_worker_and_reaches_accuracy(tmp_path):
+def test_readme_main_job_survives_its_killed_worker_and_reaches_accuracy_and_runs_again(tmp_path):
     from jobconfig import load_job_config
     from tests.conftest import REPO_ROOT
 
@@ -78,6 +78,9 @@ def test_readme_main_job_survives_its_killed_worker_and_reaches_accuracy(tmp_pat
     assert result.metrics["accuracy"] >= 0.90
     types = [e.type for e in result.events]
     assert types.count("worker_failed") == 1 and "recovered" in types
+    again = train(config, run_dir=tmp_path / "readme")  # the README's command run a second time: it resumes
+    assert again.final_step == config.training.steps and again.metrics["accuracy"] == result.metrics["accuracy"]
+    assert [(e.type, e.step) for e in again.events if e.type == "resumed"] == [("resumed", config.training.steps)]
 
 
 def test_export_command_writes_a_plain_state_dict_with_identical_outputs(tmp_path):
