@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import alternated
 from benchmarks.throughput import GPT_MODEL, GPT_PRECISION, GPT_RECIPE, WARMUP_FRACTION, gpt_token_dir, measure_ours
 from jobconfig import job_config_from_dict
 
@@ -49,7 +50,7 @@ def run_side(name: str, scratch: Path, buddy_copy: bool, steps: int) -> dict:
 
 def run_pair(index: int, scratch: Path, steps: int, guarded: Any) -> dict[str, dict]:
     """Round ``index``: both sides, the first alternating; ``guarded`` records a run's error instead of raising."""
-    order = list(SIDES) if index % 2 == 0 else list(reversed(SIDES))
+    order = alternated(SIDES, index)
     return {f"gpt_{side}": guarded(run_side, f"gpt-{side}-{index}", scratch, SIDES[side], steps) for side in order}
 
 

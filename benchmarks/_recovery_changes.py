@@ -20,11 +20,11 @@ import cluster.job
 from actors.controller import RunFailed
 from actors.run_status import Event, RunStatus
 from benchmarks import _recovery_helpers as helpers
+from benchmarks.common import REPO_ROOT
 from cluster.connect import job_runtime_env
 from jobconfig import JobConfig
 from jobconfig.naming import NAMESPACE, controller_name, worker_name
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DRAIN_DEADLINE_S = 60
 LINGER_S = 3.0  # a run followed until a change is stopped this long after it is seen: what the plot shows
 GIVE_UP_S = 120.0  # ... or this long after the driver acted, if the change never comes

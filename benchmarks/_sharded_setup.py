@@ -3,15 +3,7 @@ in the current gloo group (as actors/worker.py does it, without Ray), and the ma
 
 from __future__ import annotations
 
-import os
-import platform
-import shlex
-import subprocess
-import sys
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,8 +16,6 @@ from strategies.base import GroupContext, Strategy, TrainState
 from strategies.build import build_strategy
 from workloads import load_workload
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results"
 GPT_50M = {"n_layer": 8, "n_head": 8, "n_embd": 720, "block_size": 64}
 """50,073,120 parameters (workloads/chargpt.py)."""
 SEED = 0
@@ -53,16 +43,3 @@ def set_up(strategy_name: str, model: dict[str, int], *, global_batch_size: int,
                         order=GlobalSampleOrder(len(dataset), global_batch_size, seed=SEED),
                         micro_batch_size=micro_batch_size, device=torch.device("cpu"))
     return Setup(strategy=strategy, state=state, runner=runner)
-
-
-def machine_info() -> dict[str, Any]:
-    """The machine and its load: these benchmarks share 2 cores with whatever else is running."""
-    return {"cpu_count": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": _git_describe(),
-            "command": shlex.join(["python", "-m", f"benchmarks.{Path(sys.argv[0]).stem}", *sys.argv[1:]])}
-
-
-def _git_describe() -> str | None:
-    done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT, capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from actors.run_status import RunResult
-from benchmarks.recovery import code_version
-from benchmarks.throughput import RESULTS, WARMUP_FRACTION, machine_info, measure_ours, run_torchrun
+from benchmarks.common import RESULTS, alternated, code_version, machine_info
+from benchmarks.throughput import WARMUP_FRACTION, measure_ours, run_torchrun
 from cluster.connect import ray_session
 from jobconfig import job_config_from_dict
 
@@ -143,7 +143,7 @@ def benchmark(workers: int, steps: int, rounds: int, scratch: Path) -> dict[str,
     print(f"  {workers} workers: warm-up runs done", flush=True)
     runs: dict[str, list[dict]] = {side.name: [] for side in SIDES}
     for index in range(rounds):
-        for side in SIDES if index % 2 == 0 else SIDES[::-1]:  # the order flips every round, against drift
+        for side in alternated(SIDES, index):
             run = run_side(side, workers, steps, scratch / f"w{workers}-{side.name}-{index}")
             runs[side.name].append(run)
             shares = f"  final shares {run['final_shares']}, settled at step {run['settled_from_step']}" \

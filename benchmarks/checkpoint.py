@@ -46,7 +46,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks._checkpoint_ranks import ASYNC_BATCH, GPT_10M, MODES, PERIOD, async_cost_rank, save_and_load_rank
-from benchmarks._sharded_setup import RESULTS, machine_info
+from benchmarks.common import RESULTS, machine_info
 from tests.distributed_harness import run_distributed
 from workloads.chargpt import CharGPT
 

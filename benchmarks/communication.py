@@ -46,14 +46,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from actors.run_status import RunResult
-from benchmarks.throughput import machine_info
+from benchmarks.common import REPO_ROOT, RESULTS, alternated, machine_info
 from cluster.connect import ray_session
 from cluster.job import train
 from jobconfig import load_job_config
 from workloads.chargpt import CharGPT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results"
 SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 64}
 WORKLOAD = "{" + ", ".join(f"{k}: {v}" for k, v in SHAPE.items()) + "}"
 GLOBAL_BATCH, LR, SEED = 16, 1e-3, 0
@@ -182,7 +180,7 @@ def run_all(args: argparse.Namespace, scratch: Path) -> list[RunSummary]:
     runs = []
     for round_index in range(args.rounds):
         keys = run_keys(args)
-        for key in keys if round_index % 2 == 0 else keys[::-1]:
+        for key in alternated(keys, round_index):
             runs.append(run_one(key, args.steps, round_index, scratch))
     return runs
 

@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from benchmarks._sharded_setup import GPT_50M, RESULTS, machine_info, set_up
+from benchmarks._sharded_setup import GPT_50M, set_up
+from benchmarks.common import RESULTS, machine_info
 from strategies.base import TrainState, memory_breakdown
 from tests.distributed_harness import run_distributed
 from workloads.chargpt import CharGPT

@@ -37,13 +37,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import platform
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,12 +58,10 @@ from actors.run_status import Event
 from actors.warm_start import WarmProcesses
 from benchmarks import _recovery_changes as changes
 from benchmarks import _recovery_helpers as helpers
-from cluster.connect import job_runtime_env
+from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray
 from jobconfig import load_job_config
-from jobconfig.naming import NAMESPACE, worker_name
+from jobconfig.naming import worker_name
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results"
 NUM_WORKERS, GLOBAL_BATCH, HIDDEN, CHECKPOINT_EVERY, LR, SEED = 2, 64, 512, 10, 1e-3, 0
 GOALS = {"recovery_s_below": 1.5, "speedup_at_least": 5.0, "steps_redone_at_most": 1, "scale_up_s_below": 3.0,
          "spare_recovery_s_below": 1.0, "spare_scale_up_s_below": 1.0, "drain_steps_lost_at_most": 0}
@@ -189,24 +185,8 @@ def measure_startup(*, warm: bool) -> dict:
         k: round(v, 4) for k, v in phases.items()}
 
 
-def local_ray(num_cpus: int, *, ours: bool = True) -> None:
-    """A local instance; ours: the job's runtime environment as ``raylastic train`` sets it (the setup hook that
-    imports our modules), otherwise as a Ray Train user's job has it."""
-    runtime_env = job_runtime_env(str(REPO_ROOT)) if ours else {"env_vars": {"PYTHONPATH": str(REPO_ROOT)}}
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
-             logging_level=logging.WARNING, runtime_env=runtime_env)
-
-
-def guarded(measure: Any, *args: Any, **kwargs: Any) -> dict:
-    """One measurement; an error is recorded (this machine is shared, the code under test moves) and the rest go on."""
-    try:
-        return measure(*args, **kwargs)
-    except Exception as error:  # noqa: BLE001
-        return {"status": "error", "error": f"{type(error).__name__}: {str(error)[:400]}"}
-
-
 def run_round(index: int, scratch: Path, args: argparse.Namespace) -> dict:
-    sides = ["ours", "ray_train"] if index % 2 == 0 else ["ray_train", "ours"]
+    sides = alternated(["ours", "ray_train"], index)
     record: dict[str, Any] = {"round": index, "order": sides, "load_average_at_start": os.getloadavg()}
     for side in sides:
         local_ray(NUM_WORKERS if side == "ray_train" else NUM_WORKERS + 1, ours=side == "ours")
@@ -293,14 +273,6 @@ def summarize(rounds: list[dict]) -> dict:
 
 def _below(value: float | None, limit: float) -> bool | None:
     return None if value is None else value < limit
-
-
-def code_version() -> str:
-    """The commit measured, and whether the tree differs from it (``git status --porcelain`` lines)."""
-    git = ["git", "-C", str(REPO_ROOT)]
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    changed = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.splitlines()
-    return f"{commit or 'unknown'} + {len(changed)} changed/untracked paths: {', '.join(changed)[:300]}"
 
 
 def describe(args: argparse.Namespace) -> dict[str, dict]:

@@ -61,11 +61,10 @@ import torch
 from benchmarks import _buddy_cost, _redundancy_plot
 from benchmarks import _recovery_changes as changes
 from benchmarks import _redundancy_runs as runs
-from benchmarks.recovery import HIDDEN, code_version, guarded, local_ray, numbers
+from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray
+from benchmarks.recovery import HIDDEN, numbers
 from workloads.digits import Digits
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results"
 GOALS = {"r2": {"steps_redone_at_most": 1, "time_lost_s_below": 2.0},
          "buddy": {"steps_lost_at_most": 1, "time_lost_s_below": 2.0},
          "gpt": {"buddy_over_none_samples_per_s_at_least": _buddy_cost.GOAL_RATIO}}
@@ -74,7 +73,7 @@ BYTES_PER_PARAMETER = 16  # fp32 AdamW: 4 parameter + 4 gradient + 8 optimizer s
 
 
 def run_round(index: int, scratch: Path, args: argparse.Namespace) -> dict:
-    order = list(runs.SIDES) if index % 2 == 0 else list(reversed(runs.SIDES))
+    order = alternated(runs.SIDES, index)
     record: dict[str, Any] = {"round": index, "order": order, "load_average_at_start": os.getloadavg()}
     local_ray(int(runs.NUM_WORKERS * runs.CPUS_PER_WORKER))
     try:

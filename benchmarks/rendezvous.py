@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from actors.rendezvous import RayStore
 from actors.rendezvous_keys import RendezvousKeys
-from benchmarks._sharded_setup import RESULTS, machine_info
+from benchmarks.common import RESULTS, alternated, machine_info
 from cluster.connect import ray_session
 from strategies.group_assignment import GroupAssignment, new_store_prefix
 from strategies.process_group import join_group, leave_group
@@ -81,7 +81,7 @@ def measure(num_ranks: int, rounds: int) -> dict:
         generation += 1
     times: dict[str, list[float]] = {kind: [] for kind in STORES}
     for round_index in range(rounds):
-        for kind in STORES if round_index % 2 == 0 else reversed(STORES):
+        for kind in alternated(STORES, round_index):
             times[kind].append(formation_s(ranks, generation, kind, keys, tcp, prefix))
             generation += 1
         print(f"round {round_index + 1}/{rounds}: " + ", ".join(f"{k} {times[k][-1] * 1000:.1f} ms" for k in STORES),

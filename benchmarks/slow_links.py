@@ -53,8 +53,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.recovery import code_version
-from benchmarks.throughput import RESULTS, machine_info
+from benchmarks.common import RESULTS, alternated, code_version, machine_info
 from cluster.connect import ray_session
 from cluster.job import train
 from jobconfig import job_config_from_dict
@@ -161,7 +160,7 @@ def benchmark(sides: tuple[Side, ...], steps: int, rounds: int, link: Link, scra
     run_side(sides[0], WARMUP_RUN_STEPS, link, scratch / "warmup")
     runs: dict[str, list[dict]] = {side.name: [] for side in sides}
     for index in range(rounds):
-        for side in sides if index % 2 == 0 else sides[::-1]:  # the order flips every round, against drift
+        for side in alternated(sides, index):
             run = run_side(side, steps, link, scratch / f"{side.name}-{index}")
             runs[side.name].append(run)
             print(f"  round {index + 1}/{rounds} {side.name:14s} step {run['median_step_s'] * 1000:6.1f} ms (link "

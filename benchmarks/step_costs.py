@@ -49,7 +49,8 @@ from actors.recipe import clip_gradients, learning_rate, optimizer_factory, set_
 from actors.step_loop import StepRunner, seed_rng, step_seed
 from actors.stop_vote import StopVote
 from benchmarks._torchrun_ddp import PlainDDP, step_batches
-from benchmarks.throughput import RESULTS, job_sections, machine_info
+from benchmarks.common import RESULTS, alternated, machine_info
+from benchmarks.throughput import job_sections
 from jobconfig import job_config_from_dict
 from strategies.ddp import DDPStrategy
 from tests.distributed_harness import run_distributed
@@ -150,7 +151,7 @@ def measure(sections: dict, steps: int, rounds: int) -> dict[str, dict[str, list
             step(k)
     per_round: dict[str, dict[str, list[float]]] = {v: {m: [] for m in MEASURES} for v in VARIANTS}
     for round_index in range(rounds):
-        for variant in VARIANTS if round_index % 2 == 0 else VARIANTS[::-1]:
+        for variant in alternated(VARIANTS, round_index):
             dist.barrier()
             started = (time.perf_counter(), time.thread_time(), time.process_time())
             for k in range(WARMUP_STEPS, WARMUP_STEPS + steps):

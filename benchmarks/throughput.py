@@ -35,8 +35,6 @@ import dataclasses
 import functools
 import json
 import os
-import platform
-import shlex
 import signal
 import socket
 import statistics
@@ -46,22 +44,19 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
-import ray
 import torch
 
 from actors.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 from actors.run_status import RunResult
 from benchmarks._cpu_meter import CpuMeter, Measurement, descendants
+from benchmarks.common import REPO_ROOT, RESULTS, alternated, machine_info
 from cluster.connect import ray_session
 from cluster.job import train
 from jobconfig import JobConfig, job_config_from_dict
 from workloads.tokens import prepare_corpus, stdlib_corpus_files
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results"
 PEER_SCRIPT = REPO_ROOT / "benchmarks" / "_torchrun_ddp.py"
 NUM_WORKERS = 2
 WARMUP_FRACTION = 0.2
@@ -227,7 +222,7 @@ def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, sc
         ours_dir, peer_dir = scratch / f"{workload}-ours-{round_index}", scratch / f"{workload}-peer-{round_index}"
         peer_dir.mkdir(parents=True)
         sides = [("ours", run_ours, ours_dir), ("torchrun", run_peer, peer_dir)]
-        for side, run, run_dir in sides if round_index % 2 == 0 else sides[::-1]:  # flip order against drift
+        for side, run, run_dir in alternated(sides, round_index):
             measurement = run(sections, run_dir)
             (ours if side == "ours" else peer).append(measurement)
             print(f"  {workload} round {round_index + 1}/{rounds} {side:9s} "
@@ -280,18 +275,6 @@ def plot(results: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def machine_info() -> dict:
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
-            "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": _git_describe(),
-            "command": shlex.join(["python", "-m", f"benchmarks.{Path(sys.argv[0]).stem}", *sys.argv[1:]])}
-
-
-def _git_describe() -> str | None:
-    done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT, capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def main(argv: list[str] | None = None) -> None:
