@@ -21,11 +21,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from actors.mailbox import StatusMailbox
-from actors.run_status import Event
-from strategies.base import Strategy, TrainState, scaler_entries
-from strategies.checkpoint import Checkpointer, CheckpointWriteError
+from raylastic.actors.mailbox import StatusMailbox
+from raylastic.actors.run_status import Event
+from raylastic.strategies.base import Strategy, TrainState, scaler_entries
+from raylastic.strategies.checkpoint import Checkpointer, CheckpointWriteError
 
 
 @dataclass(frozen=True)

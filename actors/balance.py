@@ -36,7 +36,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from actors.batch_split import BatchSplit
+from raylastic.actors.batch_split import BatchSplit
 
 REBALANCE_GAIN = 0.10
 """A new split must predict a step at least this much shorter than the current one."""

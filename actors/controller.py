@@ -18,15 +18,14 @@ import time
 import traceback
 
 import ray
-
-from actors.drains import Drains
-from actors.events import RunLog
-from actors.faults import FaultPlan
-from actors.group_status import GroupStatus, LostWorker
-from actors.membership import WorkersCannotStart
-from actors.news import Progress, take_in
-from actors.placement import ReservedBundles
-from actors.policies import (
+from raylastic.actors.drains import Drains
+from raylastic.actors.events import RunLog
+from raylastic.actors.faults import FaultPlan
+from raylastic.actors.group_status import GroupStatus, LostWorker
+from raylastic.actors.membership import WorkersCannotStart
+from raylastic.actors.news import Progress, take_in
+from raylastic.actors.placement import ReservedBundles
+from raylastic.actors.policies import (
     AllStopped,
     FailurePolicy,
     FromCheckpoint,
@@ -46,9 +45,9 @@ from actors.policies import (
     needs_checkpoint_lookup,
     workers_missing,
 )
-from actors.run_checkpoints import ForeignCheckpoint, RunCheckpoints
-from actors.run_metrics import RunMetrics
-from actors.run_states import (
+from raylastic.actors.run_checkpoints import ForeignCheckpoint, RunCheckpoints
+from raylastic.actors.run_metrics import RunMetrics
+from raylastic.actors.run_states import (
     STOPPABLE,
     TERMINAL,
     Failed,
@@ -63,13 +62,13 @@ from actors.run_states import (
     Stopped,
     WaitingForWorkers,
 )
-from actors.run_status import RunFailed, RunResult, RunStatus
-from actors.share_book import ShareBook
-from actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
-from jobconfig import JobConfig
-from strategies.checkpoint_catalogue import Checkpoint, CheckpointSettings
-from strategies.checkpoint_manifest import read_manifest
-from strategies.peer_restore import plan_peer_restore
+from raylastic.actors.run_status import RunFailed, RunResult, RunStatus
+from raylastic.actors.share_book import ShareBook
+from raylastic.actors.worker_group import MemberRaised, MembersFailed, WorkerGroup
+from raylastic.jobconfig import JobConfig
+from raylastic.strategies.checkpoint_catalogue import Checkpoint, CheckpointSettings
+from raylastic.strategies.checkpoint_manifest import read_manifest
+from raylastic.strategies.peer_restore import plan_peer_restore
 
 WAIT_SLICE_S = 1.0
 """While waiting for workers, how long one wait lasts before a stop request is looked at again."""

@@ -22,8 +22,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-
-from actors.batch_split import BatchSplit
+from raylastic.actors.batch_split import BatchSplit
 
 logger = logging.getLogger(__name__)
 

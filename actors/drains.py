@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from actors.events import RunLog
-from actors.group_status import GroupStatus
-from actors.policies import read_drain_notices, stragglers_to_drain
+from raylastic.actors.events import RunLog
+from raylastic.actors.group_status import GroupStatus
+from raylastic.actors.policies import read_drain_notices, stragglers_to_drain
 
 
 class Drains:

@@ -20,10 +20,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-
-from actors.batch_split import rank_slice
-from actors.batches import fetch_batch, loader_inputs, to_device
-from workloads.protocol import Workload
+from raylastic.actors.batch_split import rank_slice
+from raylastic.actors.batches import fetch_batch, loader_inputs, to_device
+from raylastic.workloads.protocol import Workload
 
 
 class Evaluator:

@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from actors.run_status import Event, EventType
+from raylastic.actors.run_status import Event, EventType
 
 if TYPE_CHECKING:
-    from actors.mailbox import StepResult
+    from raylastic.actors.mailbox import StepResult
 
 
 @dataclass(frozen=True)

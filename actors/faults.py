@@ -25,8 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import ray
-
-from jobconfig import FaultConfig
+from raylastic.jobconfig import FaultConfig
 
 
 class InjectedFault(RuntimeError):

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from actors.run_status import Event
+from raylastic.actors.run_status import Event
 
 Phase = Literal["idle", "training", "stopped", "finished", "failed", "awaiting_kill"]
 ErrorCause = Literal["peer_lost", "job"]

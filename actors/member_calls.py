@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-
-from actors.failures import is_peer_loss, plain_error
-from actors.group_status import LostWorker
-from actors.poller import death_reason
-from actors.worker_actor import TrainingThreadHung
+from raylastic.actors.failures import is_peer_loss, plain_error
+from raylastic.actors.group_status import LostWorker
+from raylastic.actors.poller import death_reason
+from raylastic.actors.worker_actor import TrainingThreadHung
 
 COLLECTIVE_GRACE_S = 5.0
 """Beyond failure.collective_timeout_s: how long members may take to give up on a dead peer."""

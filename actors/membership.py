@@ -13,12 +13,11 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
-
-from actors.failures import plain_error
-from actors.placement import ReservedSlots, WorkerSlots
-from actors.warm_start import TRAINS, WarmProcesses
-from actors.worker_actor import TrainWorkerActor, WorkerSpec
-from jobconfig.naming import worker_name
+from raylastic.actors.failures import plain_error
+from raylastic.actors.placement import ReservedSlots, WorkerSlots
+from raylastic.actors.warm_start import TRAINS, WarmProcesses
+from raylastic.actors.worker_actor import TrainWorkerActor, WorkerSpec
+from raylastic.jobconfig.naming import worker_name
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.events import RunLog
-from actors.group_status import GroupStatus
-from actors.run_metrics import RunMetrics
+from raylastic.actors.events import RunLog
+from raylastic.actors.group_status import GroupStatus
+from raylastic.actors.run_metrics import RunMetrics
 
 
 @dataclass(frozen=True)

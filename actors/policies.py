@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.group_status import DONE_PHASES, GroupStatus, LostWorker
-from jobconfig import StrategyConfig
-from strategies.checkpoint_catalogue import Checkpoint
-from strategies.peer_restore import PeerRestorePlan
+from raylastic.actors.group_status import DONE_PHASES, GroupStatus, LostWorker
+from raylastic.jobconfig import StrategyConfig
+from raylastic.strategies.checkpoint_catalogue import Checkpoint
+from raylastic.strategies.peer_restore import PeerRestorePlan
 
 # -- scaling --------------------------------------------------------------------------------------------------
 

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
-
-from actors.group_status import DONE_PHASES, MemberStatus, RankNews
-from actors.membership import Member
+from raylastic.actors.group_status import DONE_PHASES, MemberStatus, RankNews
+from raylastic.actors.membership import Member
 
 
 @dataclass

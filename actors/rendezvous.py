@@ -25,8 +25,7 @@ from typing import Any
 
 import ray
 import torch.distributed as dist
-
-from actors.rendezvous_keys import RendezvousAborted
+from raylastic.actors.rendezvous_keys import RendezvousAborted
 
 RPC_MARGIN_S = 30.0
 """How much longer than the store's timeout a call may take before the actor is taken as unreachable."""

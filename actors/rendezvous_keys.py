@@ -26,9 +26,8 @@ from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from actors.warm_start import TRAINS_NOTHING
-from strategies.group_assignment import generation_prefix
+from raylastic.actors.warm_start import TRAINS_NOTHING
+from raylastic.strategies.group_assignment import generation_prefix
 
 
 class RendezvousAborted(Exception):

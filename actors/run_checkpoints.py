@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.events import RunLog
-from strategies.checkpoint_catalogue import Checkpoint, Rejected, newest_complete
+from raylastic.actors.events import RunLog
+from raylastic.strategies.checkpoint_catalogue import Checkpoint, Rejected, newest_complete
 
 
 class ForeignCheckpoint(ValueError):

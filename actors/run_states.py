@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from actors.group_status import LostWorker
-from strategies.checkpoint_catalogue import Checkpoint
+from raylastic.actors.group_status import LostWorker
+from raylastic.strategies.checkpoint_catalogue import Checkpoint
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from actors.balance import carry_split
-from actors.group_status import GroupStatus
+from raylastic.actors.balance import carry_split
+from raylastic.actors.group_status import GroupStatus
 
 
 class ShareBook:

@@ -34,18 +34,17 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from raylastic.actors.batch_split import BatchSplit
+from raylastic.actors.batches import planned_batches, to_device
+from raylastic.actors.compute_clock import ComputeClock
+from raylastic.actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
+from raylastic.actors.mailbox import StepResult
+from raylastic.actors.recipe import clip_gradients, learning_rate, set_learning_rate
+from raylastic.jobconfig import DataConfig, OptimConfig
+from raylastic.strategies.base import Strategy, TrainState
+from raylastic.strategies.emulated_link import EmulatedLink
+from raylastic.workloads.protocol import Workload
 from torch.utils.data import Dataset
-
-from actors.batch_split import BatchSplit
-from actors.batches import planned_batches, to_device
-from actors.compute_clock import ComputeClock
-from actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
-from actors.mailbox import StepResult
-from actors.recipe import clip_gradients, learning_rate, set_learning_rate
-from jobconfig import DataConfig, OptimConfig
-from strategies.base import Strategy, TrainState
-from strategies.emulated_link import EmulatedLink
-from workloads.protocol import Workload
 
 
 class NonFiniteStep(RuntimeError):

@@ -29,22 +29,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from raylastic.actors.async_saver import AsyncSaver
+from raylastic.actors.balance import Balancer
+from raylastic.actors.evaluation import Evaluator
+from raylastic.actors.failures import is_peer_loss
+from raylastic.actors.faults import FaultInjector
+from raylastic.actors.mailbox import StatusMailbox
+from raylastic.actors.run_status import Event
+from raylastic.actors.step_loop import StepRunner
+from raylastic.actors.stop_vote import StopVote
+from raylastic.actors.worker_actor import TrainingThreadHung
+from raylastic.jobconfig import DataConfig, EvalConfig, TrainingConfig
+from raylastic.strategies.base import TrainState
+from raylastic.strategies.buddy_copy import BuddyCopies
+from raylastic.strategies.process_group import abort_group
 from torch.utils.data import Dataset
-
-from actors.async_saver import AsyncSaver
-from actors.balance import Balancer
-from actors.evaluation import Evaluator
-from actors.failures import is_peer_loss
-from actors.faults import FaultInjector
-from actors.mailbox import StatusMailbox
-from actors.run_status import Event
-from actors.step_loop import StepRunner
-from actors.stop_vote import StopVote
-from actors.worker_actor import TrainingThreadHung
-from jobconfig import DataConfig, EvalConfig, TrainingConfig
-from strategies.base import TrainState
-from strategies.buddy_copy import BuddyCopies
-from strategies.process_group import abort_group
 
 LOOP_EXIT_GRACE_S = 5.0
 """Beyond the collective timeout: how long a leaving loop thread may take to give up on its peers."""

@@ -26,7 +26,7 @@ import ray
 
 logger = logging.getLogger(__name__)
 
-SETUP_HOOK = "actors.warm_start.import_training_modules"
+SETUP_HOOK = "raylastic.actors.warm_start.import_training_modules"
 KEEP_ALIVE_S = 3600
 """How long a raylet keeps a started process idle for the job before it may reclaim it."""
 RPC_TIMEOUT_S = 5.0
@@ -59,9 +59,8 @@ def import_training_modules() -> None:
         return
     began_at = time.time()
     try:
+        import raylastic.actors.worker  # noqa: F401
         import torch._dynamo  # noqa: F401 - the first optimizer step's import (DTensor, sympy): the largest part
-
-        import actors.worker  # noqa: F401
     except Exception:  # noqa: BLE001 - Ray ends a process whose hook raises: this one can still serve, cold
         logger.warning("the training modules could not be imported ahead; workers here will start cold",
                        exc_info=True)

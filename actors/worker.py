@@ -32,37 +32,36 @@ from datetime import timedelta
 import ray
 import torch
 import torch.distributed as dist
-
-from actors.allocator import keep_freed_memory
-from actors.async_saver import AsyncSaver
-from actors.batch_split import BatchSplit
-from actors.compute_clock import ComputeClock
-from actors.data_order import GlobalSampleOrder
-from actors.evaluation import Evaluator
-from actors.faults import FaultInjector
-from actors.mailbox import StatusMailbox, WorkerStatus
-from actors.priority import run_at_normal_priority
-from actors.recipe import optimizer_factory
-from actors.rendezvous import RayStore
-from actors.step_loop import StepRunner
-from actors.training_loop import BalanceSettings, TrainingLoop
-from actors.warm_start import ProcessStart
-from actors.worker_actor import JoinReport, WorkerSpec
-from jobconfig import (
+from raylastic.actors.allocator import keep_freed_memory
+from raylastic.actors.async_saver import AsyncSaver
+from raylastic.actors.batch_split import BatchSplit
+from raylastic.actors.compute_clock import ComputeClock
+from raylastic.actors.data_order import GlobalSampleOrder
+from raylastic.actors.evaluation import Evaluator
+from raylastic.actors.faults import FaultInjector
+from raylastic.actors.mailbox import StatusMailbox, WorkerStatus
+from raylastic.actors.priority import run_at_normal_priority
+from raylastic.actors.recipe import optimizer_factory
+from raylastic.actors.rendezvous import RayStore
+from raylastic.actors.step_loop import StepRunner
+from raylastic.actors.training_loop import BalanceSettings, TrainingLoop
+from raylastic.actors.warm_start import ProcessStart
+from raylastic.actors.worker_actor import JoinReport, WorkerSpec
+from raylastic.jobconfig import (
     FaultConfig,
 )
-from strategies.base import GroupContext, TrainState, init_optimizer_state, load_scaler, memory_breakdown
-from strategies.buddy_copy import BuddyCopies
-from strategies.build import build_strategy
-from strategies.checkpoint import Checkpointer, load_into, verify_for_load
-from strategies.emulated_link import EmulatedLink
-from strategies.group_assignment import GroupAssignment
-from strategies.peer_restore import PeerRestorePlan
-from strategies.plain_objects import all_gather_plain
-from strategies.process_group import choose_backend, choose_device, join_group
-from strategies.shard_copy import KeptShards, gather_shards, keep_shards, load_full_state
-from strategies.shard_layout import effective_replicas
-from workloads import load_workload
+from raylastic.strategies.base import GroupContext, TrainState, init_optimizer_state, load_scaler, memory_breakdown
+from raylastic.strategies.buddy_copy import BuddyCopies
+from raylastic.strategies.build import build_strategy
+from raylastic.strategies.checkpoint import Checkpointer, load_into, verify_for_load
+from raylastic.strategies.emulated_link import EmulatedLink
+from raylastic.strategies.group_assignment import GroupAssignment
+from raylastic.strategies.peer_restore import PeerRestorePlan
+from raylastic.strategies.plain_objects import all_gather_plain
+from raylastic.strategies.process_group import choose_backend, choose_device, join_group
+from raylastic.strategies.shard_copy import KeptShards, gather_shards, keep_shards, load_full_state
+from raylastic.strategies.shard_layout import effective_replicas
+from raylastic.workloads import load_workload
 
 logger = logging.getLogger(__name__)
 

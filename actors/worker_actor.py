@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-
-from actors.warm_start import ProcessStart
-from jobconfig import (
+from raylastic.actors.warm_start import ProcessStart
+from raylastic.jobconfig import (
     DataConfig,
     EvalConfig,
     FaultConfig,
@@ -28,9 +27,9 @@ from jobconfig import (
     TrainingConfig,
     WorkloadConfig,
 )
-from strategies.checkpoint_catalogue import CheckpointSettings
-from strategies.group_assignment import GroupAssignment
-from strategies.peer_restore import PeerRestorePlan, ShardCopy
+from raylastic.strategies.checkpoint_catalogue import CheckpointSettings
+from raylastic.strategies.group_assignment import GroupAssignment
+from raylastic.strategies.peer_restore import PeerRestorePlan, ShardCopy
 
 
 class TrainingThreadHung(RuntimeError):
@@ -84,7 +83,7 @@ class TrainWorkerProcess:
     """One worker's process: every call goes to its TrainWorker (actors/worker.py has what each does)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        self.worker = importlib.import_module("actors.worker").TrainWorker(spec)
+        self.worker = importlib.import_module("raylastic.actors.worker").TrainWorker(spec)
 
     def pid(self) -> int:
         return self.worker.pid()

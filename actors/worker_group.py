@@ -23,25 +23,24 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-
-from actors.failures import plain_error
-from actors.group_status import GroupStatus, LostWorker
-from actors.member_calls import (
+from raylastic.actors.failures import plain_error
+from raylastic.actors.group_status import GroupStatus, LostWorker
+from raylastic.actors.member_calls import (
     COLLECTIVE_GRACE_S,
     CallBounds,
     MemberRaised,
     MembersFailed,
     call_members,
 )
-from actors.membership import Member, Membership, StartFailure
-from actors.placement import ReservedBundles, ReservedSlots, SlotShape, WorkerSlots, draining_nodes
-from actors.poller import GenerationPoller, death_reason
-from actors.rendezvous_keys import RendezvousKeys, beside_this_process, call_off_generation
-from actors.warm_start import WarmProcesses
-from actors.worker_actor import JoinReport, WorkerSpec
-from jobconfig import FaultConfig, JobConfig
-from strategies.checkpoint_catalogue import CheckpointSettings
-from strategies.group_assignment import GroupAssignment, new_store_prefix
+from raylastic.actors.membership import Member, Membership, StartFailure
+from raylastic.actors.placement import ReservedBundles, ReservedSlots, SlotShape, WorkerSlots, draining_nodes
+from raylastic.actors.poller import GenerationPoller, death_reason
+from raylastic.actors.rendezvous_keys import RendezvousKeys, beside_this_process, call_off_generation
+from raylastic.actors.warm_start import WarmProcesses
+from raylastic.actors.worker_actor import JoinReport, WorkerSpec
+from raylastic.jobconfig import FaultConfig, JobConfig
+from raylastic.strategies.checkpoint_catalogue import CheckpointSettings
+from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 
 START_GRACE_S = 1.0
 """After min_workers are placed, how long the start waits for the rest of max_workers."""

@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import raylastic.cluster.job
+from raylastic.actors.controller import RunFailed
+from raylastic.actors.run_status import Event, RunStatus
+from raylastic.cluster.connect import job_runtime_env
+from raylastic.jobconfig import JobConfig
+from raylastic.jobconfig.naming import NAMESPACE, controller_name, worker_name
 
-import cluster.job
-from actors.controller import RunFailed
-from actors.run_status import Event, RunStatus
 from benchmarks import _recovery_helpers as helpers
 from benchmarks.common import REPO_ROOT
-from cluster.connect import job_runtime_env
-from jobconfig import JobConfig
-from jobconfig.naming import NAMESPACE, controller_name, worker_name
 
 DRAIN_DEADLINE_S = 60
 LINGER_S = 3.0  # a run followed until a change is stopped this long after it is seen: what the plot shows
@@ -91,7 +91,7 @@ def follow_run(job: JobConfig, run_dir: Path, follow: Follower, watched: str | N
     if watched:
         threading.Thread(target=watch_actor, args=(watched, marks, done), daemon=True).start()
     try:
-        result = cluster.job.train(job, run_dir=run_dir, on_progress=follow)
+        result = raylastic.cluster.job.train(job, run_dir=run_dir, on_progress=follow)
         return Followed(result.history, result.events), marks
     except RunFailed:
         if not follow.stopped:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors import warm_start
+from raylastic.actors import warm_start
 
 RAY_TRAIN_FACTS = {  # paths under the installed ray package (2.60), for what the JSON reports about Ray Train
     "elastic_resize_monitor_interval_s": "ray/train/v2/api/config.py:102 ScalingConfig.elastic_resize_monitor_"
@@ -57,9 +57,8 @@ def ray_train_loop(config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
     import torch.distributed as dist
-
-    from actors.data_order import GlobalSampleOrder
-    from workloads.digits import Digits
+    from raylastic.actors.data_order import GlobalSampleOrder
+    from raylastic.workloads.digits import Digits
 
     torch.set_num_threads(1)  # as our workers with cpus_per_worker=1
     context = ray.train.get_context()
@@ -131,11 +130,11 @@ class StartupProbe:
     def __init__(self, job_overrides: list[str], store: object) -> None:
         """``store``: a ready RendezvousKeys actor, made before the probe is asked for, as the Controller's is."""
         marks = {"constructor": time.time()}
-        from actors.worker import TrainWorker
-        from actors.worker_actor import WorkerSpec
-        from jobconfig import load_job_config
-        from strategies.checkpoint import Checkpointer
-        from strategies.group_assignment import GroupAssignment, new_store_prefix
+        from raylastic.actors.worker import TrainWorker
+        from raylastic.actors.worker_actor import WorkerSpec
+        from raylastic.jobconfig import load_job_config
+        from raylastic.strategies.checkpoint import Checkpointer
+        from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 
         job = load_job_config(None, job_overrides)
         checkpointer = Checkpointer(root=tempfile.mkdtemp(prefix="startup-probe-"), every_steps=0, num_to_keep=1,

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import raylastic.cluster.job
+from raylastic.jobconfig import load_job_config
 
-import cluster.job
 from benchmarks import _recovery_changes as changes
 from benchmarks.recovery import HIDDEN, summarize_failure
-from jobconfig import load_job_config
 
 NUM_WORKERS, MIN_WORKERS, CPUS_PER_WORKER, GLOBAL_BATCH, LR, SEED = 4, 3, 0.5, 64, 1e-3, 0
 WARMUP_STEPS, STEPS_CAP = 10, 100_000  # the kill runs are stopped once measured
@@ -124,7 +124,7 @@ def summarize_rejoin(commits: list[dict], events: list, kill_at: float, step_s: 
 
 def run_steady(name: str, scratch: Path, side: Side, steps: int) -> dict:
     job = load_job_config(None, job_overrides(name, side, steps, None))
-    result = cluster.job.train(job, run_dir=scratch / name)
+    result = raylastic.cluster.job.train(job, run_dir=scratch / name)
     if {r["world_size"] for r in result.history} != {NUM_WORKERS}:
         raise RuntimeError(f"the steady run left world size {NUM_WORKERS}: {result.events}")
     step_s = statistics.median(interval for step, interval in intervals(result.history) if step > WARMUP_STEPS)

@@ -7,14 +7,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from actors.data_order import GlobalSampleOrder
-from actors.recipe import optimizer_factory
-from actors.step_loop import StepRunner
-from jobconfig import OptimConfig, StrategyConfig
-from strategies.base import GroupContext, Strategy, TrainState
-from strategies.build import build_strategy
-from workloads import load_workload
+from raylastic.actors.data_order import GlobalSampleOrder
+from raylastic.actors.recipe import optimizer_factory
+from raylastic.actors.step_loop import StepRunner
+from raylastic.jobconfig import OptimConfig, StrategyConfig
+from raylastic.strategies.base import GroupContext, Strategy, TrainState
+from raylastic.strategies.build import build_strategy
+from raylastic.workloads import load_workload
 
 GPT_50M = {"n_layer": 8, "n_head": 8, "n_embd": 720, "block_size": 64}
 """50,073,120 parameters (workloads/chargpt.py)."""

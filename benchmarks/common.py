@@ -84,9 +84,8 @@ def local_ray(num_cpus: int, *, ours: bool = True) -> None:
     """A local Ray instance; ours: the job's runtime environment as ``raylastic train`` sets it (the setup hook
     that imports our modules), otherwise as a Ray Train user's job has it."""
     import ray
-
-    from cluster.connect import job_runtime_env
-    from jobconfig.naming import NAMESPACE
+    from raylastic.cluster.connect import job_runtime_env
+    from raylastic.jobconfig.naming import NAMESPACE
 
     runtime_env = job_runtime_env(str(REPO_ROOT)) if ours else {"env_vars": {"PYTHONPATH": str(REPO_ROOT)}}
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,

@@ -40,20 +40,20 @@ import os
 
 import torch
 import torch.distributed as dist
+from raylastic.strategies.base import TrainState, memory_breakdown
+from raylastic.workloads.chargpt import CharGPT
 from torch.distributed.tensor import DTensor
 
 from benchmarks._sharded_setup import GPT_50M, set_up
 from benchmarks.common import RESULTS, machine_info
-from strategies.base import TrainState, memory_breakdown
 from tests.distributed_harness import run_distributed
-from workloads.chargpt import CharGPT
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 NUM_PARAMETERS = CharGPT.num_parameters(**GPT_50M)
 GOAL = 0.10
 COMPONENTS = ("parameters", "gradients", "optimizer")
 DEFINITIONS = {
-    "resident": "strategies.base.memory_breakdown after step 2, gradients still held (local shards only)",
+    "resident": "raylastic.strategies.base.memory_breakdown after step 2, gradients still held (local shards only)",
     "peak": "largest parameter+gradient+optimizer storage bytes (distinct, allocated) over step 2's hook "
             "points: forward pre-hook of each block, gradient of each block's output, before/after optimizer "
             "step; activations and transients between hook points not counted",

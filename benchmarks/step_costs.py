@@ -40,21 +40,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from raylastic.actors import step_loop
+from raylastic.actors.batch_split import BatchSplit
+from raylastic.actors.batches import planned_batches, to_device
+from raylastic.actors.data_order import GlobalSampleOrder
+from raylastic.actors.recipe import clip_gradients, learning_rate, optimizer_factory, set_learning_rate
+from raylastic.actors.step_loop import StepRunner, seed_rng, step_seed
+from raylastic.actors.stop_vote import StopVote
+from raylastic.jobconfig import job_config_from_dict
+from raylastic.strategies.ddp import DDPStrategy
+from raylastic.workloads import load_workload
 
-from actors import step_loop
-from actors.batch_split import BatchSplit
-from actors.batches import planned_batches, to_device
-from actors.data_order import GlobalSampleOrder
-from actors.recipe import clip_gradients, learning_rate, optimizer_factory, set_learning_rate
-from actors.step_loop import StepRunner, seed_rng, step_seed
-from actors.stop_vote import StopVote
 from benchmarks._torchrun_ddp import PlainDDP, step_batches
 from benchmarks.common import RESULTS, alternated, machine_info
 from benchmarks.throughput import job_sections
-from jobconfig import job_config_from_dict
-from strategies.ddp import DDPStrategy
 from tests.distributed_harness import run_distributed
-from workloads import load_workload
 
 VARIANTS = ("peer", "steprunner", "+vote", "-norm", "-seed", "-loader")
 """peer: benchmarks/_torchrun_ddp.py's step; steprunner: ours (actors.step_loop.StepRunner.run); +vote: ours
@@ -164,8 +164,7 @@ def measure(sections: dict, steps: int, rounds: int) -> dict[str, dict[str, list
 
 def in_ray_actors(sections: dict, steps: int, rounds: int) -> dict[str, dict[str, list[float]]]:
     import ray
-
-    from cluster.connect import ray_session
+    from raylastic.cluster.connect import ray_session
 
     @ray.remote(num_cpus=1)
     class Rank:

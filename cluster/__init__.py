@@ -2,13 +2,13 @@
 
 Example::
 
-    from cluster import JobConfig, TrainingConfig, train
+    from raylastic.cluster import JobConfig, TrainingConfig, train
     result = train(JobConfig(training=TrainingConfig(steps=50)))
 """
 
 from typing import Any
 
-from jobconfig import (
+from raylastic.jobconfig import (
     CheckpointConfig,
     DataConfig,
     EvalConfig,
@@ -33,11 +33,11 @@ def __getattr__(name: str) -> Any:
     # train is imported on first use: `raylastic` imports cluster.cli for every command, and torch, Ray
     # and the actors take seconds to import, which only a running job should pay.
     if name == "train":
-        from cluster.job import train
+        from raylastic.cluster.job import train
 
         return train
     if name == "job_runtime_env":
-        from cluster.connect import job_runtime_env
+        from raylastic.cluster.connect import job_runtime_env
 
         return job_runtime_env
     raise AttributeError(f"module 'cluster' has no attribute {name!r}")

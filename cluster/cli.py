@@ -1,4 +1,4 @@
-"""The ``raylastic`` command (also ``python -m cluster``).
+"""The ``raylastic`` command (also ``python -m raylastic``).
 
 Examples::
 
@@ -17,10 +17,11 @@ import importlib
 import os
 import sys
 
-from cluster.import_path import use_import_path
+from raylastic.cluster.import_path import use_import_path
 
-COMMAND_MODULES = ("cluster.train_command", "cluster.export_command", "cluster.status_command",
-                   "cluster.tokenize_command", "cluster.plot_command", "tuning.cli")
+COMMAND_MODULES = tuple(f"raylastic.{name}" for name in (
+    "cluster.train_command", "cluster.export_command", "cluster.status_command", "cluster.tokenize_command",
+    "cluster.plot_command", "tuning.cli"))
 
 
 def build_parser() -> argparse.ArgumentParser:

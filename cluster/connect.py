@@ -22,10 +22,9 @@ import warnings
 from collections.abc import Iterator
 
 import ray
-
-from cluster.import_path import IMPORT_PATH_VARIABLE, SETUP_HOOK
-from cluster.loopback import is_loopback, is_loopback_only, loopback_interfaces, loopback_node
-from jobconfig.naming import NAMESPACE
+from raylastic.cluster.import_path import IMPORT_PATH_VARIABLE, SETUP_HOOK
+from raylastic.cluster.loopback import is_loopback, is_loopback_only, loopback_interfaces, loopback_node
+from raylastic.jobconfig.naming import NAMESPACE
 
 
 def job_runtime_env(*paths: str) -> dict:

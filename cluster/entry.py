@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         # The workers import the package (and a user's workload) from the same checkout.
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(repository), os.environ.get("PYTHONPATH")) if p)
     try:
-        from cluster.cli import main as raylastic
+        from raylastic.cluster.cli import main as raylastic
     except ImportError as error:
         print(f"error: cannot import raylastic ({error}); put the repository at ~/raylastic (cluster.yaml's "
               "file_mounts do) or set RAYLASTIC_HOME", file=sys.stderr)

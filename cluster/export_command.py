@@ -18,7 +18,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from strategies.export import export_model
+    from raylastic.strategies.export import export_model
 
     try:
         path = export_model(args.checkpoint, args.output)

@@ -28,7 +28,7 @@ from typing import Any
 
 IMPORT_PATH_VARIABLE = "RAYLASTIC_IMPORT_PATH"
 """The job's import directories, ``os.pathsep``-separated, in the environment of every process Ray starts for it."""
-SETUP_HOOK = "cluster.import_path.set_up_job_process"
+SETUP_HOOK = "raylastic.cluster.import_path.set_up_job_process"
 """The job's ``worker_process_setup_hook``."""
 SITE_DIRECTORIES = ("site-packages", "dist-packages")
 
@@ -64,7 +64,9 @@ def set_up_job_process() -> None:
     if directories:
         use_import_path(directories)
         sys.meta_path.insert(0, StandardLibraryFirst(directories))
-    from actors.warm_start import import_training_modules  # torch and the rest, imported with the path in order
+    from raylastic.actors.warm_start import (
+        import_training_modules,  # torch and the rest, imported with the path in order
+    )
 
     import_training_modules()
 

@@ -2,7 +2,7 @@
 
 Example::
 
-    from cluster import JobConfig, train
+    from raylastic.cluster import JobConfig, train
     result = train(JobConfig(), run_dir="runs/digits")
     print(result.final_step, result.metrics["accuracy"])
 
@@ -29,15 +29,14 @@ import fsspec
 import ray
 from fsspec.implementations.local import LocalFileSystem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from actors.async_ps.controller import AsyncControllerActor
-from actors.controller import ControllerActor, RunFailed
-from actors.placement import ReservedBundles, remove_run_slots
-from actors.run_checkpoints import default_checkpoint_root
-from actors.run_status import RunResult, RunStatus
-from actors.warm_start import TRAINS_NOTHING
-from cluster.connect import ray_session
-from cluster.run_dir import (
+from raylastic.actors.async_ps.controller import AsyncControllerActor
+from raylastic.actors.controller import ControllerActor, RunFailed
+from raylastic.actors.placement import ReservedBundles, remove_run_slots
+from raylastic.actors.run_checkpoints import default_checkpoint_root
+from raylastic.actors.run_status import RunResult, RunStatus
+from raylastic.actors.warm_start import TRAINS_NOTHING
+from raylastic.cluster.connect import ray_session
+from raylastic.cluster.run_dir import (
     SeenProgress,
     locked,
     read_model_file,
@@ -46,12 +45,12 @@ from cluster.run_dir import (
     write_model,
     write_result,
 )
-from cluster.tensorboard import TensorBoardLog
-from cluster.termination import INTERRUPTED, StopRequest, sigterm_asks
-from cluster.tracking import MlflowLog, RunEnd
-from jobconfig import JobConfig
-from jobconfig.naming import controller_name
-from workloads import resolve_workload_class
+from raylastic.cluster.tensorboard import TensorBoardLog
+from raylastic.cluster.termination import INTERRUPTED, StopRequest, sigterm_asks
+from raylastic.cluster.tracking import MlflowLog, RunEnd
+from raylastic.jobconfig import JobConfig
+from raylastic.jobconfig.naming import controller_name
+from raylastic.workloads import resolve_workload_class
 
 ProgressCallback = Callable[[RunStatus], None]
 PROGRESS_WAIT_S = 1.0

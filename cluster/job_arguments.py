@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from jobconfig import JobConfig, load_job_config
+from raylastic.jobconfig import JobConfig, load_job_config
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, *, config_flag: str = "--config", job: str = "the job",

@@ -29,11 +29,10 @@ from typing import Any
 
 import fsspec
 import torch
-
-from actors.controller import RunFailed
-from actors.run_status import Event, RunResult, RunStatus
-from cluster.tracking import RunEnd
-from jobconfig import JobConfig
+from raylastic.actors.controller import RunFailed
+from raylastic.actors.run_status import Event, RunResult, RunStatus
+from raylastic.cluster.tracking import RunEnd
+from raylastic.jobconfig import JobConfig
 
 LOCK_NAME = ".lock"
 

@@ -17,11 +17,10 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Any
 
+from raylastic.actors.run_status import RunStatus
+from raylastic.jobconfig.naming import NAMESPACE, controller_name, run_of_controller, run_prefix
 from rich.console import Console
 from rich.markup import escape
-
-from actors.run_status import RunStatus
-from jobconfig.naming import NAMESPACE, controller_name, run_of_controller, run_prefix
 
 RECENT_EVENTS = 10
 ANSWER_TIMEOUT_S = 10.0
@@ -42,7 +41,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run_status(args: argparse.Namespace) -> int:
     out = Console(soft_wrap=True, highlight=False, markup=False)  # events may hold brackets: print them as they are
     errors = Console(stderr=True, soft_wrap=True, highlight=False)
-    from cluster.connect import ray_session
+    from raylastic.cluster.connect import ray_session
 
     try:
         with ray_session(args.address):
@@ -150,7 +149,7 @@ def _show(run: str | None, out: Console, errors: Console) -> int:
 
 
 def print_status(run: str, report: StatusReport, out: Console) -> None:
-    from cluster.progress import format_event
+    from raylastic.cluster.progress import format_event
 
     status = report.status
     out.print(f"run {run}: {status.state}  step {status.step}  generation {status.generation}  "

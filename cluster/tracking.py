@@ -38,8 +38,8 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 from urllib.request import pathname2url
 
-from actors.run_status import RunStatus
-from jobconfig import JobConfig, TrackingConfig
+from raylastic.actors.run_status import RunStatus
+from raylastic.jobconfig import JobConfig, TrackingConfig
 
 RunEnd = Literal["finished", "failed", "stopped"]
 """How a job ended (result.json's status)."""

@@ -8,9 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from raylastic.cluster.job_arguments import add_job_arguments, job_from_arguments
 from rich.console import Console
-
-from cluster.job_arguments import add_job_arguments, job_from_arguments
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -26,7 +25,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def load_job_or_report(args: argparse.Namespace, console: Console):
     """The validated JobConfig, or None after printing the error (no traceback)."""
-    from workloads import resolve_workload_class
+    from raylastic.workloads import resolve_workload_class
 
     try:
         job = job_from_arguments(args, *(["training.profile_steps=5"] if args.profile else []))
@@ -42,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
     job = load_job_or_report(args, errors)
     if job is None:
         return 2
-    from actors.controller import RunFailed
-    from cluster.job import train
-    from cluster.progress import ProgressDisplay
+    from raylastic.actors.controller import RunFailed
+    from raylastic.cluster.job import train
+    from raylastic.cluster.progress import ProgressDisplay
 
     out = Console(soft_wrap=True)
     out.print(f"raylastic: training {job.workload.name} for {job.training.steps} steps on "

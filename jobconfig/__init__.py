@@ -13,13 +13,13 @@ Example::
     job = load_job_config("job.yaml", ["training.steps=50", "optim.lr=3e-3"])   # YAML + --set overrides
 """
 
-from jobconfig.job import JobConfig
-from jobconfig.link import LinkConfig
-from jobconfig.loading import job_config_from_dict, load_job_config
-from jobconfig.outputs import CheckpointConfig, TrackingConfig
-from jobconfig.scaling import FAULT_ACTIONS, FailureConfig, FaultConfig, ScalingConfig
-from jobconfig.strategy import COMPRESSIONS, STRATEGIES, StrategyConfig
-from jobconfig.training import (
+from raylastic.jobconfig.job import JobConfig
+from raylastic.jobconfig.link import LinkConfig
+from raylastic.jobconfig.loading import job_config_from_dict, load_job_config
+from raylastic.jobconfig.outputs import CheckpointConfig, TrackingConfig
+from raylastic.jobconfig.scaling import FAULT_ACTIONS, FailureConfig, FaultConfig, ScalingConfig
+from raylastic.jobconfig.strategy import COMPRESSIONS, STRATEGIES, StrategyConfig
+from raylastic.jobconfig.training import (
     OPTIMIZERS,
     PRECISIONS,
     SCHEDULES,

@@ -7,13 +7,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from jobconfig.checks import is_number, require
-from jobconfig.link import LinkConfig
-from jobconfig.naming import RUN_NAME_CHARACTERS, is_run_name
-from jobconfig.outputs import CheckpointConfig, TrackingConfig
-from jobconfig.scaling import FailureConfig, FaultConfig, ScalingConfig
-from jobconfig.strategy import StrategyConfig
-from jobconfig.training import DataConfig, EvalConfig, OptimConfig, TrainingConfig, WorkloadConfig
+from raylastic.jobconfig.checks import is_number, require
+from raylastic.jobconfig.link import LinkConfig
+from raylastic.jobconfig.naming import RUN_NAME_CHARACTERS, is_run_name
+from raylastic.jobconfig.outputs import CheckpointConfig, TrackingConfig
+from raylastic.jobconfig.scaling import FailureConfig, FaultConfig, ScalingConfig
+from raylastic.jobconfig.strategy import StrategyConfig
+from raylastic.jobconfig.training import DataConfig, EvalConfig, OptimConfig, TrainingConfig, WorkloadConfig
 
 
 @dataclass(frozen=True, kw_only=True)

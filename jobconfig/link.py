@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobconfig.checks import is_number, require
+from raylastic.jobconfig.checks import is_number, require
 
 MAX_LATENCY_MS = 60_000.0
 """A longer latency is a typo (or seconds written as milliseconds)."""

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from jobconfig.job import JobConfig
+from raylastic.jobconfig.job import JobConfig
 
 
 def load_job_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from jobconfig.checks import is_non_negative_int, is_positive_int, one_of, require
+from raylastic.jobconfig.checks import is_non_negative_int, is_positive_int, one_of, require
 
 Resume = Literal["auto", "never"]
 

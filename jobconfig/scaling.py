@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require, require_seconds
+from raylastic.jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require, require_seconds
 
 FaultAction = Literal["kill", "ray_kill", "stall", "raise", "remove_node", "throttle", "kill_server"]
 FAULT_ACTIONS: tuple[str, ...] = get_args(FaultAction)

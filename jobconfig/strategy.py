@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require
+from raylastic.jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require
 
 StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "diloco", "async_ps"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)

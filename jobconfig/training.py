@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require
+from raylastic.jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require
 
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)

@@ -34,11 +34,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from strategies.base import Strategy, TrainState, scaler_entries
-from strategies.peer_restore import ShardCopy
-from strategies.shard_copy import KeptShards, ShardPacker, local_storage, packed_size, shard_state, unpack_shard
-from strategies.shard_layout import ShardLayout
+from raylastic.strategies.base import Strategy, TrainState, scaler_entries
+from raylastic.strategies.peer_restore import ShardCopy
+from raylastic.strategies.shard_copy import (
+    KeptShards,
+    ShardPacker,
+    local_storage,
+    packed_size,
+    shard_state,
+    unpack_shard,
+)
+from raylastic.strategies.shard_layout import ShardLayout
 
 logger = logging.getLogger(__name__)
 

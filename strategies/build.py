@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from jobconfig import StrategyConfig
-from strategies.base import Strategy
-from strategies.compression import CompressionOptions
-from strategies.ddp import DDPStrategy
-from strategies.diloco import DiLoCoStrategy
-from strategies.fsdp import FSDPStrategy
-from strategies.zero1 import Zero1Strategy
+from raylastic.jobconfig import StrategyConfig
+from raylastic.strategies.base import Strategy
+from raylastic.strategies.compression import CompressionOptions
+from raylastic.strategies.ddp import DDPStrategy
+from raylastic.strategies.diloco import DiLoCoStrategy
+from raylastic.strategies.fsdp import FSDPStrategy
+from raylastic.strategies.zero1 import Zero1Strategy
 
 
 def build_strategy(config: StrategyConfig) -> Strategy:

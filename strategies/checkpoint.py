@@ -37,12 +37,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.api import CheckpointException
-
-from strategies.checkpoint_catalogue import CheckpointSettings, prune_checkpoints
-from strategies.checkpoint_manifest import (
+from raylastic.strategies.checkpoint_catalogue import CheckpointSettings, prune_checkpoints
+from raylastic.strategies.checkpoint_manifest import (
     MARKER_NAME,
     METADATA_NAME,
     CheckpointManifest,
@@ -55,8 +51,11 @@ from strategies.checkpoint_manifest import (
     write_marker,
     written_by_us,
 )
-from strategies.checkpoint_metadata import safe_reader
-from strategies.plain_objects import all_gather_plain, broadcast_plain
+from raylastic.strategies.checkpoint_metadata import safe_reader
+from raylastic.strategies.plain_objects import all_gather_plain, broadcast_plain
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,13 @@ import os
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from strategies.checkpoint_manifest import CheckpointManifest, filesystem, read_manifest, verify, written_by_us
+from raylastic.strategies.checkpoint_manifest import (
+    CheckpointManifest,
+    filesystem,
+    read_manifest,
+    verify,
+    written_by_us,
+)
 
 
 @dataclass(frozen=True)

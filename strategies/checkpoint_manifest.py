@@ -128,7 +128,7 @@ def _problem(directory: str, manifest: CheckpointManifest, checksummed: Collecti
             return f"{name} does not match its checksum"
     if (problem := file_problem(directory, METADATA_NAME)) is not None:
         return problem
-    from strategies.checkpoint_metadata import load_metadata  # torch's DCP classes: only where one is checked
+    from raylastic.strategies.checkpoint_metadata import load_metadata  # torch's DCP classes: only where one is checked
 
     try:
         with fs.open(f"{path}/{METADATA_NAME}", "rb") as handle:

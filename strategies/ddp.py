@@ -15,15 +15,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from raylastic.strategies.base import CommInstruments, GroupContext, ModelFactory, OptimizerFactory, TrainState
+from raylastic.strategies.compression import CommHook, CompressionOptions, make_comm_hook
+from raylastic.strategies.compression.accounting import NO_TRAFFIC, CommTraffic, UncompressedTraffic
+from raylastic.strategies.flat_state import copy_into, model_entries, optimizer_entries
+from raylastic.strategies.hierarchical import make_hierarchical_hook
+from raylastic.strategies.overlap import CommTimer
+from raylastic.strategies.state_transfer import broadcast_training_state
 from torch.nn.parallel import DistributedDataParallel
-
-from strategies.base import CommInstruments, GroupContext, ModelFactory, OptimizerFactory, TrainState
-from strategies.compression import CommHook, CompressionOptions, make_comm_hook
-from strategies.compression.accounting import NO_TRAFFIC, CommTraffic, UncompressedTraffic
-from strategies.flat_state import copy_into, model_entries, optimizer_entries
-from strategies.hierarchical import make_hierarchical_hook
-from strategies.overlap import CommTimer
-from strategies.state_transfer import broadcast_training_state
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_cap_mb: float) -> torch.nn.Module:

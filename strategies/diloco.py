@@ -36,12 +36,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from jobconfig.strategy import DiLoCoCompression
-from strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState
-from strategies.compression.accounting import NO_TRAFFIC, CommTraffic
-from strategies.flat_state import copy_into, model_entries, optimizer_entries
-from strategies.state_transfer import broadcast_training_state
+from raylastic.jobconfig.strategy import DiLoCoCompression
+from raylastic.strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState
+from raylastic.strategies.compression.accounting import NO_TRAFFIC, CommTraffic
+from raylastic.strategies.flat_state import copy_into, model_entries, optimizer_entries
+from raylastic.strategies.state_transfer import broadcast_training_state
 
 WIRE_DTYPES: dict[DiLoCoCompression, torch.dtype] = {"none": torch.float32, "fp16": torch.float16,
                                                      "bf16": torch.bfloat16}

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobconfig.link import LinkConfig
+from raylastic.jobconfig.link import LinkConfig
 
 
 @dataclass(frozen=True, kw_only=True)

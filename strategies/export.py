@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, file_problem, read_manifest, verify
+from raylastic.strategies.checkpoint_metadata import safe_reader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from strategies.checkpoint_manifest import MANIFEST_NAME, file_problem, read_manifest, verify
-from strategies.checkpoint_metadata import safe_reader
 
 MODEL_PREFIX = "model."
 

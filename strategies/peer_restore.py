@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from strategies.shard_layout import ShardLayout
+from raylastic.strategies.shard_layout import ShardLayout
 
 
 @dataclass(frozen=True)

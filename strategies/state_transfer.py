@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from strategies.plain_objects import broadcast_plain, dtype_name, dtype_of
+from raylastic.strategies.plain_objects import broadcast_plain, dtype_name, dtype_of
 
 
 def broadcast_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, *,

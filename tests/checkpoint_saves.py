@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from strategies.checkpoint import Checkpointer
-from strategies.checkpoint_manifest import read_manifest, write_manifest
+from raylastic.strategies.checkpoint import Checkpointer
+from raylastic.strategies.checkpoint_manifest import read_manifest, write_manifest
 
 SHARD_VALUES = 4096
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("actors", "cluster", "jobconfig", "strategies", "tuning", "workloads", "tests")
+PACKAGES = ("raylastic", "actors", "cluster", "jobconfig", "strategies", "tuning", "workloads", "tests")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
@@ -33,7 +33,7 @@ class LocalRay:
         self.running = False
 
     def start(self) -> None:
-        from cluster.connect import ray_session
+        from raylastic.cluster.connect import ray_session
 
         if not self.running:
             self._session.enter_context(ray_session(min_cpus=4))

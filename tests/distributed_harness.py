@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOAD = ("torch", "torch.distributed", "strategies")
+PRELOAD = ("torch", "torch.distributed", "raylastic.strategies")
 """Imported once by the fork server (a failing import is skipped): strategies pulls in DTensor, ~2 s."""
 GRACE_S = 10.0
 """After the first failure, how long the other ranks have to report theirs before they are killed."""

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from raylastic.actors.controller import Controller
+from raylastic.actors.group_status import GroupStatus, LostWorker, MemberStatus, RankNews
+from raylastic.actors.mailbox import StepResult, WorkerStatus
+from raylastic.actors.run_states import Failed, Finished, Stopped
+from raylastic.actors.worker_actor import JoinReport
+from raylastic.actors.worker_group import MembersFailed
+from raylastic.strategies.build import build_strategy
+from raylastic.strategies.checkpoint_manifest import CheckpointManifest, write_manifest
 
-from actors.controller import Controller
-from actors.group_status import GroupStatus, LostWorker, MemberStatus, RankNews
-from actors.mailbox import StepResult, WorkerStatus
-from actors.run_states import Failed, Finished, Stopped
-from actors.worker_actor import JoinReport
-from actors.worker_group import MembersFailed
-from strategies.build import build_strategy
-from strategies.checkpoint_manifest import CheckpointManifest, write_manifest
 from tests.helpers import job
 
 

@@ -12,10 +12,9 @@ from typing import Any
 
 import ray
 import torch
-
-from actors.data_order import GlobalSampleOrder
-from actors.run_status import Event, RunStatus
-from jobconfig import load_job_config
+from raylastic.actors.data_order import GlobalSampleOrder
+from raylastic.actors.run_status import Event, RunStatus
+from raylastic.jobconfig import load_job_config
 
 
 def job(*overrides: str, name: str = "t"):

@@ -6,14 +6,13 @@ finds the sample that a given step and rank train on."""
 from __future__ import annotations
 
 import torch
+from raylastic.actors.data_order import GlobalSampleOrder
 from torch.utils.data import TensorDataset
-
-from actors.data_order import GlobalSampleOrder
 
 
 class PoisonedDigits:
     def __init__(self, poison_index: int) -> None:
-        from workloads.digits import Digits
+        from raylastic.workloads.digits import Digits
 
         self.digits = Digits()
         self.poison_index = poison_index
@@ -36,7 +35,7 @@ class PoisonedDigits:
 
 def poison_index_for(step: int, rank: int, world_size: int, global_batch_size: int, seed: int = 0) -> int:
     """The dataset index of the first sample rank ``rank`` trains on in step ``step`` (1-based)."""
-    from workloads.digits import Digits
+    from raylastic.workloads.digits import Digits
 
     order = GlobalSampleOrder(len(Digits().train_dataset()), global_batch_size, seed)
     return int(order.rank_indices(step - 1, rank, world_size)[0])

@@ -10,14 +10,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from raylastic.actors.data_order import GlobalSampleOrder
+from raylastic.actors.evaluation import Evaluator
+from raylastic.actors.recipe import optimizer_factory
+from raylastic.actors.step_loop import StepRunner
+from raylastic.jobconfig import OptimConfig, StrategyConfig
+from raylastic.strategies.build import build_strategy
 from torch.utils.data import TensorDataset
 
-from actors.data_order import GlobalSampleOrder
-from actors.evaluation import Evaluator
-from actors.recipe import optimizer_factory
-from actors.step_loop import StepRunner
-from jobconfig import OptimConfig, StrategyConfig
-from strategies.build import build_strategy
 from tests.helpers import step_indices
 
 FEATURES, HIDDEN, CLASSES = 6, 9, 5  # odd sizes: dim-0 shards are uneven at world sizes 2 and 3

@@ -7,17 +7,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from actors.batch_split import BatchSplit
-from actors.data_order import GlobalSampleOrder
-from actors.recipe import optimizer_factory
-from actors.step_loop import StepRunner
-from jobconfig import OptimConfig, StrategyConfig
-from strategies.base import GroupContext, init_optimizer_state
-from strategies.build import build_strategy
-from strategies.checkpoint import Checkpointer, load_into
-from strategies.diloco import WIRE_DTYPES, OuterState
-from workloads import load_workload
+from raylastic.actors.batch_split import BatchSplit
+from raylastic.actors.data_order import GlobalSampleOrder
+from raylastic.actors.recipe import optimizer_factory
+from raylastic.actors.step_loop import StepRunner
+from raylastic.jobconfig import OptimConfig, StrategyConfig
+from raylastic.strategies.base import GroupContext, init_optimizer_state
+from raylastic.strategies.build import build_strategy
+from raylastic.strategies.checkpoint import Checkpointer, load_into
+from raylastic.strategies.diloco import WIRE_DTYPES, OuterState
+from raylastic.workloads import load_workload
 
 WORKLOAD = ("chargpt", {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "corpus_chars": 60_000})
 GLOBAL_BATCH = 12

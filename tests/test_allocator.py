@@ -4,9 +4,9 @@ import os
 import subprocess
 import sys
 
-from actors.allocator import keep_freed_memory
+from raylastic.actors.allocator import keep_freed_memory
 
-CHURN = ("import sys; from actors.allocator import keep_freed_memory; from tests.memory_churn import "
+CHURN = ("import sys; from raylastic.actors.allocator import keep_freed_memory; from tests.memory_churn import "
          "page_faults_per_round; applied = keep_freed_memory() if sys.argv[1] == 'keep' else None; "
          "print(applied, page_faults_per_round())")
 

@@ -8,18 +8,18 @@ import time
 
 import pytest
 import torch
+from raylastic.actors.async_ps.checkpoints import newest_complete
+from raylastic.actors.async_ps.prediction import STALENESS_AVERAGING, WeightPredictor
+from raylastic.actors.async_ps.server import ParameterServer, ServerFailed, ServerSpec
+from raylastic.actors.async_ps.shards import assign_parameters
+from raylastic.actors.async_ps.tickets import TicketBook
+from raylastic.actors.data_order import GlobalSampleOrder
+from raylastic.actors.recipe import learning_rate, optimizer_factory, set_learning_rate
+from raylastic.cluster.job import train
+from raylastic.jobconfig import OptimConfig, TrainingConfig, WorkloadConfig, load_job_config
+from raylastic.workloads import load_workload
 
-from actors.async_ps.checkpoints import newest_complete
-from actors.async_ps.prediction import STALENESS_AVERAGING, WeightPredictor
-from actors.async_ps.server import ParameterServer, ServerFailed, ServerSpec
-from actors.async_ps.shards import assign_parameters
-from actors.async_ps.tickets import TicketBook
-from actors.data_order import GlobalSampleOrder
-from actors.recipe import learning_rate, optimizer_factory, set_learning_rate
-from cluster.job import train
-from jobconfig import OptimConfig, TrainingConfig, WorkloadConfig, load_job_config
 from tests.helpers import assert_states_close, job, load_model
-from workloads import load_workload
 
 DIGITS_TRAIN_SAMPLES = 1437
 

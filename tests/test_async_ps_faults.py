@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from raylastic.actors.async_ps.checkpoints import complete_checkpoints
+from raylastic.actors.controller import RunFailed
+from raylastic.cluster.job import train
+from raylastic.workloads.digits import Digits
 
-from actors.async_ps.checkpoints import complete_checkpoints
-from actors.controller import RunFailed
-from cluster.job import train
 from tests.helpers import StoppedProcess, assert_states_close, job, load_model
 from tests.test_async_ps import applied_tickets
-from workloads.digits import Digits
 
 ASYNC = ("strategy.name=async_ps", "strategy.server_cpus=0.5")
 

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import workloads.token_checks as token_checks
-import workloads.tokens as tokens
-from cluster.cli import main as cli_main
-from workloads.gpt import TokenGPT
-from workloads.tokens import TokenBlocks, TokenFileError, encode_bytes, prepare_corpus, write_tokens
+import raylastic.workloads.token_checks as token_checks
+import raylastic.workloads.tokens as tokens
+from raylastic.cluster.cli import main as cli_main
+from raylastic.workloads.gpt import TokenGPT
+from raylastic.workloads.tokens import TokenBlocks, TokenFileError, encode_bytes, prepare_corpus, write_tokens
 
 TEXT = "def f(x):\n    return x + 1  # naïve\n" * 40
 SMALL_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16}
@@ -149,8 +148,9 @@ def test_tokenize_never_replaces_a_directory_holding_other_files(tmp_path, text_
 
 @pytest.mark.usefixtures("ray_local")
 def test_a_run_on_an_empty_training_set_fails_at_the_start_naming_the_sizes(tmp_path):
-    from actors.controller import RunFailed
-    from cluster.job import train
+    from raylastic.actors.controller import RunFailed
+    from raylastic.cluster.job import train
+
     from tests.helpers import job
 
     config = job("workload.name=tests.user_workload:Parity", "workload.options={num_samples: 0}",

@@ -8,8 +8,7 @@ import statistics
 
 import pytest
 import torch
-
-from actors.balance import (
+from raylastic.actors.balance import (
     DECISION_VOTES,
     REBALANCE_GAIN,
     STRAGGLER_DECISIONS,
@@ -20,8 +19,9 @@ from actors.balance import (
     predicted_step_s,
     proportional_sizes,
 )
-from actors.batch_split import BatchSplit
-from actors.data_order import GlobalSampleOrder
+from raylastic.actors.batch_split import BatchSplit
+from raylastic.actors.data_order import GlobalSampleOrder
+
 from tests.distributed_harness import run_distributed as run_on_ranks
 from tests.strategy_runs import GLOBAL_BATCH, train_and_report
 

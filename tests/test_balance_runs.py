@@ -7,10 +7,10 @@ from __future__ import annotations
 import statistics
 
 import pytest
+from raylastic.cluster.job import train
+from raylastic.workloads.digits import Digits
 
-from cluster.job import train
 from tests.helpers import applied_samples, assert_states_close, job, load_model
-from workloads.digits import Digits
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

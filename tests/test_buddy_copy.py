@@ -13,11 +13,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
-from strategies.buddy_copy import BuddyCopies
-from strategies.peer_restore import ShardCopy, plan_peer_restore
-from strategies.process_group import leave_group
-from strategies.shard_copy import (
+from raylastic.strategies.buddy_copy import BuddyCopies
+from raylastic.strategies.peer_restore import ShardCopy, plan_peer_restore
+from raylastic.strategies.process_group import leave_group
+from raylastic.strategies.shard_copy import (
     entries_of,
     gather_shards,
     keep_shards,
@@ -26,7 +25,8 @@ from strategies.shard_copy import (
     packed_size,
     unpack_shard,
 )
-from strategies.shard_layout import ShardLayout
+from raylastic.strategies.shard_layout import ShardLayout
+
 from tests.distributed_harness import run_distributed
 from tests.strategy_runs import setup
 

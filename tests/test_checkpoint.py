@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from raylastic.strategies.checkpoint import verify_for_load
+from raylastic.strategies.checkpoint_catalogue import complete_checkpoints, newest_complete, newest_loadable
+from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, checksum_share
+from raylastic.strategies.export import load_full_model_state
 
-from strategies.checkpoint import verify_for_load
-from strategies.checkpoint_catalogue import complete_checkpoints, newest_complete, newest_loadable
-from strategies.checkpoint_manifest import MANIFEST_NAME, checksum_share
-from strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT
 from tests.distributed_harness import run_distributed
 from tests.strategy_runs import train_with_saves
@@ -89,7 +89,7 @@ def test_manifest_records_the_data_cursor_versions_and_checksums(two_checkpoints
 
 CRASHING_SAVE = """
 import os, sys, time, torch, torch.distributed as dist
-from strategies.checkpoint import Checkpointer
+from raylastic.strategies.checkpoint import Checkpointer
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 checkpointer = Checkpointer(root=sys.argv[1], every_steps=1, num_to_keep=5, config_hash="x", global_batch_size=1,
                             async_save={async_save})
@@ -140,7 +140,7 @@ def test_checkpoint_metadata_that_would_run_code_is_refused(two_checkpoints, tmp
 
 
 def _read_metadata(directory: str):
-    from strategies.checkpoint_metadata import safe_reader
+    from raylastic.strategies.checkpoint_metadata import safe_reader
 
     return safe_reader(directory).read_metadata()
 

@@ -1,6 +1,6 @@
 """The ``raylastic`` command on bad configs: one ``error: ...`` line naming the field, exit code 2, no traceback.
 
-Every case fails before Ray starts. To keep it so, the command runs as ``python -m cluster`` under a guard
+Every case fails before Ray starts. To keep it so, the command runs as ``python -m raylastic`` under a guard
 that turns any ``ray.init`` into exit code 99 (so a regression fails here instead of starting Ray). One
 test runs a real 3-step job with the ``raylastic`` script, from the directory that holds its workload.
 
@@ -21,7 +21,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RAY_INIT_EXIT_CODE = 99
-# Equivalent to `python -m cluster ARGS`, with ray.init replaced by an exit.
+# Equivalent to `python -m raylastic ARGS`, with ray.init replaced by an exit.
 GUARDED_MAIN = f"""
 import runpy, sys
 import ray
@@ -29,7 +29,7 @@ def _refuse(*args, **kwargs):
     sys.stderr.write("test guard: ray.init was reached\\n")
     raise SystemExit({RAY_INIT_EXIT_CODE})
 ray.init = _refuse
-runpy.run_module("cluster", run_name="__main__", alter_sys=True)
+runpy.run_module("raylastic", run_name="__main__", alter_sys=True)
 """
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -117,8 +117,8 @@ def test_console_script_imports_a_workload_from_the_working_directory(tmp_path):
     script = _console_script()
     if script is None:
         pytest.skip("the raylastic console script is not installed (pip install -e .)")
-    (tmp_path / "my_workload.py").write_text("from workloads.digits import Digits\n\n\nclass MyDigits(Digits):\n"
-                                             "    pass\n")
+    (tmp_path / "my_workload.py").write_text(
+        "from raylastic.workloads.digits import Digits\n\n\nclass MyDigits(Digits):\n    pass\n")
     (tmp_path / "broken_workload.py").write_text("raise RuntimeError('no data here')\n")
     env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
     job = ["--set", "name=cwd", "--set", "training.steps=3", "--set", "scaling.min_workers=1",
@@ -140,7 +140,7 @@ def test_console_script_imports_a_workload_from_the_working_directory(tmp_path):
 
 
 def test_train_and_sweep_take_the_same_job_arguments():
-    from cluster.cli import build_parser
+    from raylastic.cluster.cli import build_parser
 
     for command, config_flag in (("train", "--config"), ("sweep", "--base")):
         args = build_parser().parse_args([command, config_flag, "job.yaml", "--set", "training.steps=5", "--set",

@@ -100,7 +100,7 @@ def test_head_has_token_auth_and_the_job_cli_needs_ray_auth_mode(head: RayHead) 
 @pytest.fixture(scope="module")
 def bad_config_job(head: RayHead) -> str:
     """A job whose config is invalid, submitted through the SDK (it runs alongside the next test's job)."""
-    return _jobs_client(head).submit_job(entrypoint="python -m cluster train --set training.steps=0",
+    return _jobs_client(head).submit_job(entrypoint="python -m raylastic train --set training.steps=0",
                                          runtime_env={"working_dir": str(REPO_ROOT), "excludes": EXCLUDES})
 
 
@@ -109,7 +109,7 @@ def test_ray_job_submit_trains_to_success_with_metrics_in_the_logs(head: RayHead
     submitted = _run([str(VENV_BIN / "ray"), "job", "submit", "--address", head.dashboard_url,
                       "--submission-id", job_id, "--working-dir", ".",
                       "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
-                      "--", "python", "-m", "cluster", "train", "--set", "name=submitted", *SHORT_JOB],
+                      "--", "python", "-m", "raylastic", "train", "--set", "name=submitted", *SHORT_JOB],
                      head, RAY_AUTH_MODE="token")
     output = submitted.stdout + submitted.stderr
     assert submitted.returncode == 0, output[-4000:]
@@ -155,7 +155,7 @@ def test_entry_script_runs_as_ray_submit_runs_it(head: RayHead, tmp_path: Path) 
 
 def test_entry_passes_the_commands_exit_code_and_adds_address_auto_only_when_none_is_given(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    from cluster import entry
+    from raylastic.cluster import entry
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONPATH", "")
@@ -170,7 +170,7 @@ def test_without_a_cluster_train_starts_and_stops_its_own_local_instance(head: R
     """Laptop mode with no cluster: the CLI starts Ray for the run (no dashboard HTTP server, so no job
     server) and every process of that instance is gone after it. The module's head is not used."""
     env = head.client_env(driver=False, **PRESTART_OFF)
-    driver = subprocess.Popen(["python", "-m", "cluster", "train", "--set", "name=local", *SHORT_JOB, *ONE_WORKER],
+    driver = subprocess.Popen(["python", "-m", "raylastic", "train", "--set", "name=local", *SHORT_JOB, *ONE_WORKER],
                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: dict[int, str] = {}
     deadline = time.monotonic() + JOB_TIMEOUT_S

@@ -15,16 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from raylastic.strategies.compression import COMPRESSION_KINDS, CompressionOptions, make_comm_hook
+from raylastic.strategies.compression.accounting import CommTraffic, HookState, UncompressedTraffic
+from raylastic.strategies.compression.int8 import reference_int8_mean
+from raylastic.strategies.compression.lowp import reference_low_precision_mean
+from raylastic.strategies.compression.onebit import pack_signs, reference_onebit_mean, unpack_signs
+from raylastic.strategies.compression.powersgd import reference_powersgd_mean
+from raylastic.strategies.compression.topk import reference_topk_mean
+from raylastic.strategies.ddp import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
-from strategies.compression import COMPRESSION_KINDS, CompressionOptions, make_comm_hook
-from strategies.compression.accounting import CommTraffic, HookState, UncompressedTraffic
-from strategies.compression.int8 import reference_int8_mean
-from strategies.compression.lowp import reference_low_precision_mean
-from strategies.compression.onebit import pack_signs, reference_onebit_mean, unpack_signs
-from strategies.compression.powersgd import reference_powersgd_mean
-from strategies.compression.topk import reference_topk_mean
-from strategies.ddp import DDPStrategy
 from tests.distributed_harness import FakeBucket, run_distributed
 
 SMALL = [[(30, 20)], [(43,)]]  # two buckets (indices 0, 1) per step; 43 is not a multiple of 8

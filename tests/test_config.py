@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from jobconfig import (
+from raylastic.jobconfig import (
     OPTIMIZERS,
     STRATEGIES,
     JobConfig,
@@ -20,9 +19,9 @@ from jobconfig import (
     job_config_from_dict,
     load_job_config,
 )
-from jobconfig.naming import controller_name, run_of_controller, run_prefix, slot_name, worker_name
-from workloads import BUILTIN_WORKLOADS, resolve_workload_class
-from workloads.digits import Digits
+from raylastic.jobconfig.naming import controller_name, run_of_controller, run_prefix, slot_name, worker_name
+from raylastic.workloads import BUILTIN_WORKLOADS, resolve_workload_class
+from raylastic.workloads.digits import Digits
 
 
 def _error(overrides: list[str]) -> str:
@@ -296,14 +295,15 @@ def test_math_hash_same_for_int_and_float_spelling():
 @pytest.mark.parametrize(("name", "fragments"), [
     pytest.param("nope.mod:Thing", ["workload.name='nope.mod:Thing'", "cannot import module 'nope.mod'",
                                     "pkg.module:ClassName"], id="unknown-module"),
-    pytest.param("workloads.digits:Nope", ["workload.name='workloads.digits:Nope'", "has no class 'Nope'"],
+    pytest.param("raylastic.workloads.digits:Nope",
+                 ["workload.name='raylastic.workloads.digits:Nope'", "has no class 'Nope'"],
                  id="missing-class"),
-    pytest.param("workloads:BUILTIN_WORKLOADS", ["has no class 'BUILTIN_WORKLOADS'"], id="not-a-class"),
+    pytest.param("raylastic.workloads:BUILTIN_WORKLOADS", ["has no class 'BUILTIN_WORKLOADS'"], id="not-a-class"),
     pytest.param("collections:OrderedDict", ["OrderedDict lacks build_model, train_dataset, training_step",
                                              "workloads/protocol.py"], id="missing-methods"),
     pytest.param("nope", ["workload.name='nope' is not", *BUILTIN_WORKLOADS, "'pkg.module:ClassName'"],
                  id="not-a-path"),
-    pytest.param("workloads.digits:", ["is not"], id="no-class-part"),
+    pytest.param("raylastic.workloads.digits:", ["is not"], id="no-class-part"),
     pytest.param(":Digits", ["is not"], id="no-module-part"),
 ])
 def test_resolve_workload_class_errors(name, fragments):
@@ -313,7 +313,7 @@ def test_resolve_workload_class_errors(name, fragments):
         assert fragment in str(raised.value), f"{fragment!r} not in {str(raised.value)!r}"
 
 
-@pytest.mark.parametrize("name", ["digits", "workloads.digits:Digits"])
+@pytest.mark.parametrize("name", ["digits", "raylastic.workloads.digits:Digits"])
 def test_resolve_workload_class_finds_builtin_and_path(name):
     assert resolve_workload_class(name) is Digits
 
@@ -321,8 +321,8 @@ def test_resolve_workload_class_finds_builtin_and_path(name):
 def test_jobconfig_imports_no_other_layer():
     """Every layer imports jobconfig and it imports none of them, so no dependency points outward."""
     layers = {"cluster", "actors", "strategies", "tuning", "workloads"}
-    code = ("import sys, jobconfig, jobconfig.naming; "
-            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {layers}))")
+    code = ("import sys, raylastic.jobconfig, raylastic.jobconfig.naming; "
+            f"print(sorted({{m.split('.')[1] for m in sys.modules if m.startswith('raylastic.')}} & {layers}))")
     imported = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                               capture_output=True, text=True, check=True).stdout.strip()
     assert imported == "[]"

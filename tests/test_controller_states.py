@@ -11,9 +11,8 @@ import dataclasses
 import time
 
 import pytest
-
-from actors.group_status import LostWorker
-from actors.run_states import (
+from raylastic.actors.group_status import LostWorker
+from raylastic.actors.run_states import (
     Failed,
     Finishing,
     Forming,
@@ -22,8 +21,9 @@ from actors.run_states import (
     Running,
     WaitingForWorkers,
 )
-from jobconfig import FaultConfig
-from strategies.peer_restore import ShardCopy
+from raylastic.jobconfig import FaultConfig
+from raylastic.strategies.peer_restore import ShardCopy
+
 from tests.fake_group import STEPS, controller, events, states_until_end, with_member, write_checkpoint
 
 pytestmark = pytest.mark.timeout(10)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from raylastic.cluster.job import train
+from raylastic.jobconfig import load_job_config
+from raylastic.tuning.search_space import SearchSpace
+from raylastic.workloads.tokens import prepare_corpus, stdlib_corpus_files
 
-from cluster.job import train
-from jobconfig import load_job_config
 from tests.distributed_harness import run_distributed as run_on_ranks
 from tests.helpers import job
 from tests.strategy_runs import (
@@ -20,8 +22,6 @@ from tests.strategy_runs import (
     train_and_count_bytes,
     train_and_report,
 )
-from tuning.search_space import SearchSpace
-from workloads.tokens import prepare_corpus, stdlib_corpus_files
 
 LOCAL_SGD_EVERY_STEP = {"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
 

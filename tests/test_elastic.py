@@ -15,15 +15,15 @@ import time
 
 import pytest
 import ray
+from raylastic.actors.controller import RunFailed
+from raylastic.cluster.job import train
+from raylastic.jobconfig.naming import controller_name, worker_name
+from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
+from raylastic.strategies.export import load_full_model_state
+from raylastic.workloads.digits import Digits
 
-from actors.controller import RunFailed
-from cluster.job import train
-from jobconfig.naming import controller_name, worker_name
-from strategies.checkpoint_catalogue import latest_checkpoint
-from strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT
 from tests.helpers import applied_samples, assert_states_close, job, load_model, wait_until_gone, with_ctrl_c_enabled
-from workloads.digits import Digits
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -150,7 +150,7 @@ def test_driver_killed_then_same_command_resumes_from_checkpoint(tmp_path, refer
     run_dir = tmp_path / "driver"
     overrides = [*BASE, "checkpoint.every_steps=10", "workload.name=tests.user_workload:SlowDigits",
                  "workload.options={pause_s: 0.05}"]
-    command = [sys.executable, "-m", "cluster", "train", "--run-dir", str(run_dir),
+    command = [sys.executable, "-m", "raylastic", "train", "--run-dir", str(run_dir),
                "--address", ray.get_runtime_context().gcs_address]
     for override in ["name=driver", "training.global_batch_size=48", "scaling.cpus_per_worker=0.5", *overrides]:
         command += ["--set", override]
@@ -191,7 +191,7 @@ def test_zero3_worker_killed_without_a_buddy_copy_restores_lost_shards_from_chec
 
 def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
     run_dir = tmp_path / "interrupted"
-    command = [sys.executable, "-m", "cluster", "train", "--run-dir", str(run_dir),
+    command = [sys.executable, "-m", "raylastic", "train", "--run-dir", str(run_dir),
                "--address", ray.get_runtime_context().gcs_address]
     for override in ["name=interrupted", "training.steps=400", "scaling.cpus_per_worker=0.5",
                      "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.05}"]:

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import ray
 from ray.util.placement_group import placement_group_table
+from raylastic.actors.controller import RunFailed
+from raylastic.actors.run_status import RunStatus
+from raylastic.cluster.import_path import after_standard_library
+from raylastic.cluster.job import RunStopped, train
+from raylastic.cluster.termination import StopRequest, sigterm_asks
+from raylastic.jobconfig.naming import controller_name, slot_name
 
-from actors.controller import RunFailed
-from actors.run_status import RunStatus
-from cluster.import_path import after_standard_library
-from cluster.job import RunStopped, train
-from cluster.termination import StopRequest, sigterm_asks
-from jobconfig.naming import controller_name, slot_name
 from tests.helpers import job, wait_until_gone
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +48,7 @@ def held_slots(run: str) -> list[str]:
 
 def raylastic() -> list[str]:
     script = shutil.which("raylastic", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "cluster"]
+    return [script] if script else [sys.executable, "-m", "raylastic"]
 
 
 class Lines:
@@ -126,7 +126,7 @@ def test_a_controller_that_does_not_stop_within_the_bound_is_ended_and_result_js
         tmp_path, monkeypatch):
     assert threading.current_thread() is threading.main_thread(), "the SIGTERM handler needs the main thread"
     # The stalled step takes 600 s; within the bound, the watcher below reads result.json's first word.
-    monkeypatch.setattr("cluster.job.STOP_TIMEOUT_S", 10.0)
+    monkeypatch.setattr("raylastic.cluster.job.STOP_TIMEOUT_S", 10.0)
     run_dir = tmp_path / "run"
     stopping: list[dict] = []
 
@@ -219,7 +219,7 @@ def test_sigterm_asks_for_a_stop_only_in_the_main_thread_and_the_previous_handle
 PROBE = """
 import sys
 import ray
-from cluster.connect import ray_session
+from raylastic.cluster.connect import ray_session
 
 @ray.remote(num_cpus=0)
 def imports():

@@ -14,20 +14,20 @@ from pathlib import Path
 
 import pytest
 import ray
+from raylastic.actors.controller import RunFailed
+from raylastic.actors.rendezvous_keys import RendezvousKeys
+from raylastic.actors.run_status import Event, RunStatus
+from raylastic.actors.training_loop import LOOP_EXIT_GRACE_S
+from raylastic.actors.worker_actor import TrainWorkerActor, WorkerSpec
+from raylastic.cluster.job import train
+from raylastic.jobconfig.naming import controller_name
+from raylastic.strategies.checkpoint import Checkpointer
+from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
+from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
+from raylastic.workloads.digits import Digits
 
-from actors.controller import RunFailed
-from actors.rendezvous_keys import RendezvousKeys
-from actors.run_status import Event, RunStatus
-from actors.training_loop import LOOP_EXIT_GRACE_S
-from actors.worker_actor import TrainWorkerActor, WorkerSpec
-from cluster.job import train
-from jobconfig.naming import controller_name
-from strategies.checkpoint import Checkpointer
-from strategies.checkpoint_catalogue import latest_checkpoint
-from strategies.group_assignment import GroupAssignment, new_store_prefix
 from tests.fault_workloads import marker_path
 from tests.helpers import assert_states_close, job, load_model
-from workloads.digits import Digits
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from actors.faults import FaultInjector, FaultPlan, InjectedFault
-from jobconfig import FaultConfig
+from raylastic.actors.faults import FaultInjector, FaultPlan, InjectedFault
+from raylastic.jobconfig import FaultConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,8 +83,8 @@ def test_a_throttle_outlives_failures_until_its_last_step():
 
 STALL_FROM_A_THREAD = """
 import sys, threading
-from actors.faults import fire
-from jobconfig import FaultConfig
+from raylastic.actors.faults import fire
+from raylastic.jobconfig import FaultConfig
 
 def step():
     fire(FaultConfig(action="stall", rank=0, step=1))

@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from cluster.job import train  # noqa: E402
+from raylastic.cluster.job import train  # noqa: E402
+
 from tests.helpers import job, load_model  # noqa: E402
 from tests.hf_workload import TinyCausalLM  # noqa: E402
 

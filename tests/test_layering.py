@@ -11,17 +11,17 @@ import sys
 import pytest
 import ray
 import torch
+from raylastic.actors.run_status import RunStatus
+from raylastic.cluster.job import train
+from raylastic.jobconfig import STRATEGIES, StrategyConfig
+from raylastic.jobconfig.naming import controller_name
 
-from actors.run_status import RunStatus
-from cluster.job import train
-from jobconfig import STRATEGIES, StrategyConfig
-from jobconfig.naming import controller_name
 from tests.conftest import REPO_ROOT
 from tests.helpers import job, load_model
 from tests.process_imports import training_imports
 
-CONTROLLER_SIDE = ("actors.controller", "actors.worker_actor", "actors.rendezvous_keys",
-                   "strategies.checkpoint_catalogue", "strategies.group_assignment")
+CONTROLLER_SIDE = ("raylastic.actors.controller", "raylastic.actors.worker_actor", "raylastic.actors.rendezvous_keys",
+                   "raylastic.strategies.checkpoint_catalogue", "raylastic.strategies.group_assignment")
 
 
 @pytest.mark.parametrize("module", CONTROLLER_SIDE)
@@ -53,7 +53,7 @@ def test_a_runs_controller_never_imports_torch_the_final_model_included(tmp_path
 
 @pytest.mark.parametrize("name", [name for name in STRATEGIES if name != "async_ps"])
 def test_the_configs_replicated_flag_is_the_built_strategys(name):
-    from strategies.build import build_strategy
+    from raylastic.strategies.build import build_strategy
 
     config = StrategyConfig(name=name)
     assert config.replicated == build_strategy(config).replicated

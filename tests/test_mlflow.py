@@ -11,7 +11,8 @@ import torch
 
 mlflow = pytest.importorskip("mlflow")
 
-from cluster.tracking import MlflowLog, store_uri  # noqa: E402
+from raylastic.cluster.tracking import MlflowLog, store_uri  # noqa: E402
+
 from tests.helpers import job, load_model, run_status  # noqa: E402
 
 
@@ -145,7 +146,7 @@ def test_missing_mlflow_says_how_to_install_it(tmp_path: Path, monkeypatch) -> N
 
 @pytest.mark.usefixtures("ray_local")
 def test_a_training_run_logs_every_step_and_its_model(tmp_path: Path) -> None:
-    from cluster.job import train
+    from raylastic.cluster.job import train
 
     run_dir = tmp_path / "run"
     config = job(f"tracking.mlflow_uri={tmp_path / 'mlruns'}", "eval.every_steps=10", name="mlflow-e2e")
@@ -166,7 +167,7 @@ def test_a_training_run_logs_every_step_and_its_model(tmp_path: Path) -> None:
 
 
 def test_a_stop_from_outside_ends_the_run_as_stopped_and_an_error_as_failed() -> None:
-    from cluster.job import RunFailed, RunStopped, _ended_as
+    from raylastic.cluster.job import RunFailed, RunStopped, _ended_as
 
     assert _ended_as(RunStopped("run stopped by the user at step 3 (Ctrl-C)")) == "stopped"  # as _follow raises it
     assert _ended_as(KeyboardInterrupt()) == "stopped"  # Ctrl-C before the poll began

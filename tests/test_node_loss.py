@@ -18,12 +18,12 @@ import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from raylastic.cluster.job import train
+from raylastic.jobconfig.naming import NAMESPACE, controller_name
+from raylastic.workloads.digits import Digits
 
-from cluster.job import train
-from jobconfig.naming import NAMESPACE, controller_name
 from tests.conftest import REPO_ROOT
 from tests.helpers import applied_samples, assert_states_close, job, load_model
-from workloads.digits import Digits
 
 STEPS = 60  # ~4 s: progress (every second) sees step 10-15 at world size 4 well before the end
 BASE = (f"training.steps={STEPS}", "training.record_samples=true", "scaling.min_workers=2",

@@ -12,10 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from strategies.peer_restore import PeerRestorePlan, ShardCopy, plan_peer_restore
-from strategies.shard_copy import keep_shards
-from strategies.shard_layout import ShardLayout, effective_replicas, row_bounds
+from raylastic.strategies.peer_restore import PeerRestorePlan, ShardCopy, plan_peer_restore
+from raylastic.strategies.shard_copy import keep_shards
+from raylastic.strategies.shard_layout import ShardLayout, effective_replicas, row_bounds
 
 
 @pytest.mark.parametrize(("replicas", "world_size", "expected"), [

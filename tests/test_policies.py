@@ -9,9 +9,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
-from actors.group_status import GroupStatus, LostWorker, MemberStatus
-from actors.policies import (
+from raylastic.actors.group_status import GroupStatus, LostWorker, MemberStatus
+from raylastic.actors.policies import (
     AllStopped,
     FailurePolicy,
     FromCheckpoint,
@@ -35,9 +34,9 @@ from actors.policies import (
     read_drain_notices,
     workers_missing,
 )
-from strategies.checkpoint_catalogue import Checkpoint
-from strategies.checkpoint_manifest import CheckpointManifest
-from strategies.peer_restore import PeerRestorePlan
+from raylastic.strategies.checkpoint_catalogue import Checkpoint
+from raylastic.strategies.checkpoint_manifest import CheckpointManifest
+from raylastic.strategies.peer_restore import PeerRestorePlan
 
 # -- ScalingPolicy ----------------------------------------------------------------------------------------
 

@@ -17,19 +17,19 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from raylastic.actors.data_order import GlobalSampleOrder
+from raylastic.actors.step_loop import StepRunner
+from raylastic.cluster.job import train
+from raylastic.jobconfig import OptimConfig, StrategyConfig
+from raylastic.strategies.base import init_optimizer_state, load_scaler, scaler_entries
+from raylastic.strategies.build import build_strategy
+from raylastic.strategies.checkpoint import Checkpointer, load_into
+from raylastic.strategies.ddp import DDPStrategy
+from raylastic.strategies.state_transfer import broadcast_training_state
+from raylastic.workloads.digits import Digits
 
-from actors.data_order import GlobalSampleOrder
-from actors.step_loop import StepRunner
-from cluster.job import train
-from jobconfig import OptimConfig, StrategyConfig
-from strategies.base import init_optimizer_state, load_scaler, scaler_entries
-from strategies.build import build_strategy
-from strategies.checkpoint import Checkpointer, load_into
-from strategies.ddp import DDPStrategy
-from strategies.state_transfer import broadcast_training_state
 from tests.distributed_harness import run_distributed
 from tests.helpers import job
-from workloads.digits import Digits
 
 CPU = torch.device("cpu")
 SAVED_SCALER = {"scale": 256.0, "_growth_tracker": 5}

@@ -6,10 +6,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from jobconfig import JobConfig
-from tuning.report import SweepResult
-from tuning.search_space import DEFAULT_SEARCH_SPACE
+from raylastic.jobconfig import JobConfig
+from raylastic.tuning.report import SweepResult
+from raylastic.tuning.search_space import DEFAULT_SEARCH_SPACE
 
 
 def tune_result(trial_id: str, started: float, config: dict | None, error: Exception | None = None, **metrics):

@@ -7,8 +7,7 @@ import threading
 import time
 
 import pytest
-
-from actors.events import RunLog
+from raylastic.actors.events import RunLog
 
 
 def _report(log: RunLog, step: int, rank: int, *, generation: int = 0, world_size: int = 2, loss_sum: float,

@@ -5,11 +5,18 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from jobconfig import JobConfig, ScalingConfig, StrategyConfig
-from tuning.search_space import DEFAULT_SEARCH_SPACE, Choice, IntRange, LogUniform, SearchSpace, Uniform, tunable_keys
-from tuning.trial import trial_job, trial_resources
-from tuning.tuner import concurrent_trials
+from raylastic.jobconfig import JobConfig, ScalingConfig, StrategyConfig
+from raylastic.tuning.search_space import (
+    DEFAULT_SEARCH_SPACE,
+    Choice,
+    IntRange,
+    LogUniform,
+    SearchSpace,
+    Uniform,
+    tunable_keys,
+)
+from raylastic.tuning.trial import trial_job, trial_resources
+from raylastic.tuning.tuner import concurrent_trials
 
 BASE = JobConfig()
 
@@ -117,8 +124,7 @@ def test_concurrent_trials_fit_the_cluster():
 ])
 def test_bad_sweep_arguments_fail_before_ray_starts(options, message):
     import ray
-
-    from tuning import sweep
+    from raylastic.tuning import sweep
 
     with pytest.raises(ValueError, match=message):
         sweep(BASE, **options)
@@ -126,7 +132,7 @@ def test_bad_sweep_arguments_fail_before_ray_starts(options, message):
 
 
 def test_cli_reports_a_bad_search_space_with_exit_code_2(tmp_path, capsys):
-    from cluster.cli import main
+    from raylastic.cluster.cli import main
 
     space = tmp_path / "space.yaml"
     space.write_text("optim.lr: {loguniform: [0.1, 0.001]}\n")

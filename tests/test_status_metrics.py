@@ -47,7 +47,7 @@ def running_job(head: RayHead, tmp_path_factory: pytest.TempPathFactory):
     """``raylastic train --address auto`` of a long, slowed run; yields once it has failed and recovered."""
     run_dir = tmp_path_factory.mktemp("run")
     output = run_dir / "driver.log"
-    command = [sys.executable, "-m", "cluster", "train", "--address", "auto", "--run-dir", str(run_dir),
+    command = [sys.executable, "-m", "raylastic", "train", "--address", "auto", "--run-dir", str(run_dir),
                "--set", f"name={RUN}", "--set", "workload.name=tests.user_workload:SlowDigits",
                "--set", "workload.options={pause_s: 0.05}", "--set", "training.steps=5000",
                "--set", "scaling.min_workers=1", "--set", "scaling.max_workers=2",
@@ -101,7 +101,7 @@ def test_run_metrics_reach_rays_prometheus_endpoint(head: RayHead, running_job: 
 
 
 def _status(head: RayHead, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(["python", "-m", "cluster", "status", *args], cwd=REPO_ROOT, env=head.client_env(),
+    return subprocess.Popen(["python", "-m", "raylastic", "status", *args], cwd=REPO_ROOT, env=head.client_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -16,12 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
-
-from cluster.cli import main as cli_main
-from workloads import load_workload
-from workloads.gpt import TokenGPT
-from workloads.tokens import (
+from raylastic.cluster.cli import main as cli_main
+from raylastic.workloads import load_workload
+from raylastic.workloads.gpt import TokenGPT
+from raylastic.workloads.tokens import (
     TokenBlocks,
     decode_bytes,
     encode_bytes,
@@ -30,6 +28,7 @@ from workloads.tokens import (
     stdlib_corpus_files,
     write_tokens,
 )
+from torch.utils.data import DataLoader
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEXTS = ["def f(x):\n    return x + 1  # naïve\n" * 40, "Größe → 大きさ, ünïcödé\n" * 30, "plain ascii tail\n" * 25]
@@ -42,7 +41,7 @@ import sys
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
-from workloads.tokens import TokenBlocks, stacked
+from raylastic.workloads.tokens import TokenBlocks, stacked
 
 def peak_rss() -> int:
     with open("/proc/self/status") as f:
@@ -107,7 +106,7 @@ def test_prepare_corpus_round_trip_split_and_meta(tmp_path, text_files):
 
 
 def test_prepare_corpus_streams_files_in_pieces(tmp_path, monkeypatch):
-    import workloads.tokens as tokens
+    import raylastic.workloads.tokens as tokens
 
     monkeypatch.setattr(tokens, "READ_CHUNK_BYTES", 7)  # multi-byte characters straddle the pieces
     monkeypatch.setattr(tokens, "COPY_CHUNK_TOKENS", 5)

@@ -12,10 +12,10 @@ import uuid
 import psutil
 import pytest
 import ray
+from raylastic.actors.warm_start import ProcessStart, WarmProcesses
+from raylastic.cluster.job import train
+from raylastic.jobconfig.naming import controller_name
 
-from actors.warm_start import ProcessStart, WarmProcesses
-from cluster.job import train
-from jobconfig.naming import controller_name
 from tests.conftest import REPO_ROOT
 from tests.helpers import job
 from tests.process_imports import training_imports
@@ -35,11 +35,11 @@ calls = []
 for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "set_device"):
     original = getattr(torch.cuda, name)
     setattr(torch.cuda, name, lambda *a, _name=name, _original=original, **k: calls.append(_name) or _original(*a, **k))
-from actors import warm_start
+from raylastic.actors import warm_start
 assert warm_start.imported is None
 warm_start.import_training_modules()
 assert warm_start.imported is not None and warm_start.imported.began_at <= warm_start.imported.done_at
-assert {"torch._dynamo", "actors.worker"} <= set(sys.modules), "not imported"
+assert {"torch._dynamo", "raylastic.actors.worker"} <= set(sys.modules), "not imported"
 assert calls == [], calls
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)

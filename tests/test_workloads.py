@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from workloads import load_workload
-from workloads.chargpt import CharGPT
-from workloads.digits import Digits, read_digits, stratified_split
-from workloads.protocol import Workload
+from raylastic.workloads import load_workload
+from raylastic.workloads.chargpt import CharGPT
+from raylastic.workloads.digits import Digits, read_digits, stratified_split
+from raylastic.workloads.protocol import Workload
 
 SMALL_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "corpus_chars": 50_000}
 
@@ -69,7 +68,7 @@ def test_digits_split_is_stratified_and_holds_out_each_image_once():
 
 SPLIT_DIGEST = """
 import hashlib, sys
-from workloads.digits import Digits
+from raylastic.workloads.digits import Digits
 x, y = Digits(split_seed=3).train_dataset().tensors
 print(hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest(), "sklearn" in sys.modules)
 """
@@ -159,13 +158,13 @@ def test_bad_options_raise_value_error_naming_the_option(cls, options, option_na
 def test_registry_loads_builtin_workloads():
     workload = load_workload("digits", {"hidden": 16})
     assert isinstance(workload, Digits) and workload.hidden == 16
-    assert isinstance(load_workload("workloads.chargpt:CharGPT", {"corpus_chars": 20_000}), CharGPT)
+    assert isinstance(load_workload("raylastic.workloads.chargpt:CharGPT", {"corpus_chars": 20_000}), CharGPT)
 
 
 @pytest.mark.parametrize(("name", "options", "message"), [
     ("nope:Nope", None, "cannot import module 'nope'"),
     ("nope", None, "is not a built-in name"),
-    ("workloads.digits:Nope", None, "has no class 'Nope'"),
+    ("raylastic.workloads.digits:Nope", None, "has no class 'Nope'"),
     ("digits", {"bogus": 1}, "are not accepted"),
     ("digits", {"hidden": 0}, "workload.options.hidden"),
 ])
@@ -198,7 +197,7 @@ def test_a_workload_module_that_fails_on_import_is_named_with_its_error(tmp_path
 
 def test_a_workload_constructor_that_raises_is_named_with_its_error(tmp_path, monkeypatch):
     (tmp_path / "needs_data.py").write_text(
-        "from workloads.digits import Digits\n\n"
+        "from raylastic.workloads.digits import Digits\n\n"
         "class NeedsData(Digits):\n"
         "    def __init__(self, path='/data/train.bin'):\n"
         "        raise FileNotFoundError(path)\n")

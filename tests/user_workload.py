@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
+from raylastic.workloads.digits import Digits
 from torch.utils.data import TensorDataset
-
-from workloads.digits import Digits
 
 
 class Parity:
@@ -38,7 +37,7 @@ class SlowDigits:
     """The digits workload with a fixed pause per micro-batch, so a test can act while it trains."""
 
     def __init__(self, pause_s: float = 0.02) -> None:
-        from workloads.digits import Digits
+        from raylastic.workloads.digits import Digits
 
         self.digits = Digits()
         self.pause_s = pause_s
@@ -63,13 +62,13 @@ class DropoutDigits:
     """The digits MLP with dropout after each hidden layer: randomness in forward."""
 
     def __init__(self, p: float = 0.3) -> None:
-        from workloads.digits import Digits
+        from raylastic.workloads.digits import Digits
 
         self.digits = Digits(hidden=64)
         self.p = p
 
     def build_model(self) -> torch.nn.Module:
-        from workloads.digits import NUM_CLASSES, NUM_FEATURES
+        from raylastic.workloads.digits import NUM_CLASSES, NUM_FEATURES
 
         return torch.nn.Sequential(torch.nn.Linear(NUM_FEATURES, 64), torch.nn.ReLU(), torch.nn.Dropout(self.p),
                                    torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(self.p),

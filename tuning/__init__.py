@@ -2,8 +2,8 @@
 
 Example::
 
-    from cluster import JobConfig
-    from tuning import sweep
+    from raylastic.cluster import JobConfig
+    from raylastic.tuning import sweep
     result = sweep(JobConfig(), {"optim.lr": {"loguniform": [1e-4, 1e-1]}}, num_samples=8,
                    metric="accuracy", mode="max", name="digits-lr")
     result.dataframe, result.best_config, result.plots("plots")
@@ -18,10 +18,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "sweep": "tuning.tuner", "EarlyStopping": "tuning.tuner", "SweepResult": "tuning.report",
-    "SearchSpace": "tuning.search_space", "DEFAULT_SEARCH_SPACE": "tuning.search_space",
-    "LogUniform": "tuning.search_space", "Uniform": "tuning.search_space", "IntRange": "tuning.search_space",
-    "Choice": "tuning.search_space", "tunable_keys": "tuning.search_space",
+    **dict.fromkeys(["sweep", "EarlyStopping"], "raylastic.tuning.tuner"), "SweepResult": "raylastic.tuning.report",
+    **dict.fromkeys(["SearchSpace", "DEFAULT_SEARCH_SPACE", "LogUniform", "Uniform", "IntRange", "Choice",
+                     "tunable_keys"], "raylastic.tuning.search_space"),
 }
 __all__ = sorted(_EXPORTS)
 

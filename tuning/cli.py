@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from raylastic.cluster.job_arguments import add_job_arguments, job_from_arguments
 from rich.console import Console
-
-from cluster.job_arguments import add_job_arguments, job_from_arguments
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -46,8 +45,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     errors = Console(stderr=True, soft_wrap=True)
     out = Console(soft_wrap=True)
-    from tuning.search_space import SearchSpace
-    from tuning.tuner import sweep
+    from raylastic.tuning.search_space import SearchSpace
+    from raylastic.tuning.tuner import sweep
 
     try:
         base = job_from_arguments(args)

@@ -24,10 +24,9 @@ from typing import Any, Literal
 
 import pandas as pd
 from matplotlib.figure import Figure
-
-from jobconfig import JobConfig
-from tuning.search_space import Choice, Distribution, IntRange, LogUniform, SearchSpace
-from tuning.trial import FINAL_STEP, JOBS_DIR
+from raylastic.jobconfig import JobConfig
+from raylastic.tuning.search_space import Choice, Distribution, IntRange, LogUniform, SearchSpace
+from raylastic.tuning.trial import FINAL_STEP, JOBS_DIR
 
 Status = Literal["completed", "early_stopped", "error", "unfinished"]
 

@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from jobconfig import JobConfig, job_config_from_dict
+from raylastic.jobconfig import JobConfig, job_config_from_dict
 
 NOT_TUNABLE = {
     "name": "it names the sweep's jobs",

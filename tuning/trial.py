@@ -23,13 +23,12 @@ from typing import Any
 import ray
 from ray import tune
 from ray.tune import PlacementGroupFactory
-
-from actors.placement import ReservedBundles
-from actors.run_status import RunStatus
-from cluster.job import CONTROLLER_END_S, STOP_TIMEOUT_S, train
-from jobconfig import JobConfig
-from jobconfig.naming import trial_run_name
-from tuning.search_space import SearchSpace
+from raylastic.actors.placement import ReservedBundles
+from raylastic.actors.run_status import RunStatus
+from raylastic.cluster.job import CONTROLLER_END_S, STOP_TIMEOUT_S, train
+from raylastic.jobconfig import JobConfig
+from raylastic.jobconfig.naming import trial_run_name
+from raylastic.tuning.search_space import SearchSpace
 
 JOBS_DIR = "jobs"
 """Each trial's job runs in <experiment>/jobs/<trial id>: result.json, model.pt, checkpoints."""

@@ -3,8 +3,8 @@
 Each trial is a whole Raylastic job (its own Controller and workers, its own fault tolerance)
 placed in a placement group the trial reserves (``tuning.trial``). Example::
 
-    from cluster import JobConfig, TrainingConfig
-    from tuning import sweep
+    from raylastic.cluster import JobConfig, TrainingConfig
+    from raylastic.tuning import sweep
     result = sweep(JobConfig(training=TrainingConfig(steps=60)),
                    {"optim.lr": {"loguniform": [1e-4, 1e-1]}, "training.global_batch_size": {"choice": [32, 128]}},
                    num_samples=8, metric="accuracy", mode="max", name="digits-lr")
@@ -39,13 +39,12 @@ import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.optuna import OptunaSearch
-
-from cluster.connect import ray_session
-from jobconfig import JobConfig
-from jobconfig.naming import RUN_NAME_CHARACTERS, is_run_name, run_prefix, trial_run_name
-from tuning.report import SweepResult
-from tuning.search_space import DEFAULT_SEARCH_SPACE, Choice, IntRange, LogUniform, SearchSpace
-from tuning.trial import COMPLETED, JOBS_DIR, run_trial, trial_resources
+from raylastic.cluster.connect import ray_session
+from raylastic.jobconfig import JobConfig
+from raylastic.jobconfig.naming import RUN_NAME_CHARACTERS, is_run_name, run_prefix, trial_run_name
+from raylastic.tuning.report import SweepResult
+from raylastic.tuning.search_space import DEFAULT_SEARCH_SPACE, Choice, IntRange, LogUniform, SearchSpace
+from raylastic.tuning.trial import COMPLETED, JOBS_DIR, run_trial, trial_resources
 
 JOBS_END_TIMEOUT_S = 30.0
 SWEEP_FILE = "raylastic_sweep.json"

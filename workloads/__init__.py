@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib
 import traceback
 
-from workloads.protocol import REQUIRED_METHODS, Workload
+from raylastic.workloads.protocol import REQUIRED_METHODS, Workload
 
 BUILTIN_WORKLOADS = {
-    "digits": "workloads.digits:Digits",
-    "chargpt": "workloads.chargpt:CharGPT",
-    "gpt": "workloads.gpt:TokenGPT",
+    "digits": "raylastic.workloads.digits:Digits",
+    "chargpt": "raylastic.workloads.chargpt:CharGPT",
+    "gpt": "raylastic.workloads.gpt:TokenGPT",
 }
 
 

@@ -4,7 +4,7 @@ The corpus needs no download and no vocabulary file: it is the top-level ``.py``
 ``sysconfig.get_paths()["stdlib"]`` read in name order, encoded as UTF-8 bytes (vocabulary 256),
 so every machine running the same Python build holds the same data. Try it::
 
-    python -c "from workloads.chargpt import CharGPT; print(CharGPT.num_parameters(8, 8, 720, 64))"
+    python -c "from raylastic.workloads.chargpt import CharGPT; print(CharGPT.num_parameters(8, 8, 720, 64))"
 
 The model follows nanoGPT (https://github.com/karpathy/nanoGPT): token + position embeddings,
 pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, a final LayerNorm and an lm head

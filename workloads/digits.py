@@ -5,7 +5,7 @@ from that file without importing scikit-learn, whose import (~0.8 s, SciPy with 
 new worker's start-up. A default run trains in seconds on CPU and reaches over 95% held-out accuracy.
 Try it::
 
-    python -c "from workloads import load_workload; print(load_workload('digits').train_dataset()[:2])"
+    python -c "from raylastic.workloads import load_workload; print(load_workload('digits').train_dataset()[:2])"
 """
 
 from __future__ import annotations

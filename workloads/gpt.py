@@ -21,11 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from raylastic.workloads.chargpt import GPT
+from raylastic.workloads.token_checks import DTYPES, TokenFileError
+from raylastic.workloads.tokens import TokenBlocks, stacked
 from torch.utils.data import Subset
-
-from workloads.chargpt import GPT
-from workloads.token_checks import DTYPES, TokenFileError
-from workloads.tokens import TokenBlocks, stacked
 
 TOKENIZE_HINT = "make one with `raylastic tokenize DIR --stdlib` (or your own text files instead of --stdlib)"
 

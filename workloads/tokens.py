@@ -5,7 +5,7 @@ as nanoGPT's ``prepare.py`` scripts write (https://github.com/karpathy/nanoGPT).
 Python standard library's source (every install has it, ~12 MB) and read it back::
 
     raylastic tokenize data/stdlib --stdlib
-    python -c "from workloads.tokens import TokenBlocks; print(len(TokenBlocks('data/stdlib/train.bin', 256)))"
+    python -c "from raylastic.workloads.tokens import TokenBlocks; print(len(TokenBlocks('data/stdlib/train.bin', 64)))"
 
 ``TokenBlocks`` opens a fresh ``numpy.memmap`` for every fetch and drops it after copying the windows
 out, as nanoGPT's ``get_batch`` does: pages of a long-lived map stay in the process's resident set once
@@ -30,9 +30,8 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
+from raylastic.workloads.token_checks import TokenFileError, check_token_file, numpy_dtype, out_of_vocabulary
 from torch.utils.data import Dataset
-
-from workloads.token_checks import TokenFileError, check_token_file, numpy_dtype, out_of_vocabulary
 
 VOCAB_SIZE = 256  # the byte-level tokenizer: one token per byte
 READ_CHUNK_BYTES = 8 << 20  # prepare_corpus reads, decodes and writes files in pieces of this size

@@ -23,24 +23,23 @@ from typing import Any
 
 import ray
 import torch
-
-from actors.async_ps.checkpoints import Cut, newest_complete, prune
-from actors.async_ps.heartbeats import Heartbeats
-from actors.async_ps.leases import Lease, StepReport
-from actors.async_ps.server import UnreadableCheckpoint
-from actors.async_ps.server_group import ServerGroup, ServersLost, first_line
-from actors.async_ps.shards import assign_parameters
-from actors.async_ps.tickets import TicketBook
-from actors.async_ps.worker_pool import WorkerPool, reserved_bundle
-from actors.controller import RunFailed
-from actors.evaluation import Evaluator
-from actors.events import RunLog
-from actors.placement import ReservedBundles
-from actors.recipe import learning_rate
-from actors.run_status import RunResult, RunStatus
-from jobconfig import JobConfig
-from jobconfig.naming import controller_name
-from workloads import load_workload
+from raylastic.actors.async_ps.checkpoints import Cut, newest_complete, prune
+from raylastic.actors.async_ps.heartbeats import Heartbeats
+from raylastic.actors.async_ps.leases import Lease, StepReport
+from raylastic.actors.async_ps.server import UnreadableCheckpoint
+from raylastic.actors.async_ps.server_group import ServerGroup, ServersLost, first_line
+from raylastic.actors.async_ps.shards import assign_parameters
+from raylastic.actors.async_ps.tickets import TicketBook
+from raylastic.actors.async_ps.worker_pool import WorkerPool, reserved_bundle
+from raylastic.actors.controller import RunFailed
+from raylastic.actors.evaluation import Evaluator
+from raylastic.actors.events import RunLog
+from raylastic.actors.placement import ReservedBundles
+from raylastic.actors.recipe import learning_rate
+from raylastic.actors.run_status import RunResult, RunStatus
+from raylastic.jobconfig import JobConfig
+from raylastic.jobconfig.naming import controller_name
+from raylastic.workloads import load_workload
 
 SUPERVISE_S = 0.2
 """How often ``run`` looks at its workers and servers."""

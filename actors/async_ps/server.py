@@ -38,13 +38,12 @@ from typing import Any
 import fsspec
 import ray
 import torch
-
-from actors.async_ps.checkpoints import Cut, checkpoint_dir, server_file
-from actors.async_ps.prediction import WeightPredictor
-from actors.async_ps.saver import SaveFailure, ServerSaver, Snapshot
-from actors.recipe import learning_rate, optimizer_factory, set_learning_rate
-from jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
-from workloads import load_workload
+from raylastic.actors.async_ps.checkpoints import Cut, checkpoint_dir, server_file
+from raylastic.actors.async_ps.prediction import WeightPredictor
+from raylastic.actors.async_ps.saver import SaveFailure, ServerSaver, Snapshot
+from raylastic.actors.recipe import learning_rate, optimizer_factory, set_learning_rate
+from raylastic.jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
+from raylastic.workloads import load_workload
 
 
 @dataclass(frozen=True, kw_only=True)

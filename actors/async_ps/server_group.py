@@ -23,11 +23,10 @@ from typing import Any
 import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from actors.async_ps.checkpoints import Cut, clear_after
-from actors.async_ps.heartbeats import Heard
-from actors.async_ps.saver import SaveFailure
-from actors.async_ps.server import (
+from raylastic.actors.async_ps.checkpoints import Cut, clear_after
+from raylastic.actors.async_ps.heartbeats import Heard
+from raylastic.actors.async_ps.saver import SaveFailure
+from raylastic.actors.async_ps.server import (
     ParameterServerActor,
     Restored,
     ServerBeat,
@@ -35,9 +34,9 @@ from actors.async_ps.server import (
     ServerSpec,
     UnreadableCheckpoint,
 )
-from actors.controller import RunFailed
-from actors.warm_start import TRAINS
-from jobconfig import JobConfig
+from raylastic.actors.controller import RunFailed
+from raylastic.actors.warm_start import TRAINS
+from raylastic.jobconfig import JobConfig
 
 
 class ServersLost(Exception):

@@ -20,20 +20,19 @@ from typing import Any
 
 import ray
 import torch
-
-from actors.allocator import keep_freed_memory
-from actors.async_ps.leases import Lease, StepReport
-from actors.batch_split import BatchSplit
-from actors.batches import fetch_batch, loader_inputs, to_device
-from actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
-from actors.faults import fire, throttle_factor
-from actors.recipe import clip_gradients
-from actors.step_loop import NonFiniteStep, seed_rng, step_seed
-from jobconfig import DataConfig, FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
-from jobconfig.link import LinkConfig
-from strategies.emulated_link import EmulatedLink
-from strategies.process_group import choose_device
-from workloads import load_workload
+from raylastic.actors.allocator import keep_freed_memory
+from raylastic.actors.async_ps.leases import Lease, StepReport
+from raylastic.actors.batch_split import BatchSplit
+from raylastic.actors.batches import fetch_batch, loader_inputs, to_device
+from raylastic.actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
+from raylastic.actors.faults import fire, throttle_factor
+from raylastic.actors.recipe import clip_gradients
+from raylastic.actors.step_loop import NonFiniteStep, seed_rng, step_seed
+from raylastic.jobconfig import DataConfig, FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
+from raylastic.jobconfig.link import LinkConfig
+from raylastic.strategies.emulated_link import EmulatedLink
+from raylastic.strategies.process_group import choose_device
+from raylastic.workloads import load_workload
 
 IDLE_WAIT_S = 0.05
 """How long a worker with nothing to lease waits before asking again."""

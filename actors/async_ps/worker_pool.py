@@ -12,11 +12,10 @@ from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from actors.async_ps.worker import AsyncWorkerActor, AsyncWorkerSpec
-from actors.placement import ReservedBundles
-from actors.warm_start import TRAINS
-from jobconfig import JobConfig
+from raylastic.actors.async_ps.worker import AsyncWorkerActor, AsyncWorkerSpec
+from raylastic.actors.placement import ReservedBundles
+from raylastic.actors.warm_start import TRAINS
+from raylastic.jobconfig import JobConfig
 
 
 class WorkerPool:

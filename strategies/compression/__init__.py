@@ -31,7 +31,7 @@ after the first iteration).
 
 Example::
 
-    from strategies.compression import CompressionOptions, make_comm_hook
+    from raylastic.strategies.compression import CompressionOptions, make_comm_hook
 
     state, hook = make_comm_hook("topk", options=CompressionOptions(topk_fraction=0.01))
     ddp_model.register_comm_hook(state, hook)
@@ -47,15 +47,14 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-
-from jobconfig.strategy import COMPRESSIONS as COMPRESSION_KINDS
-from jobconfig.strategy import Compression as CompressionKind
-from strategies.compression.accounting import CommTraffic, HookState
-from strategies.compression.int8 import Int8State, int8_hook
-from strategies.compression.lowp import LowPrecisionState, low_precision_hook
-from strategies.compression.onebit import OneBitState, onebit_hook
-from strategies.compression.powersgd import PowerSGDHookState, powersgd_hook
-from strategies.compression.topk import TopKState, topk_hook
+from raylastic.jobconfig.strategy import COMPRESSIONS as COMPRESSION_KINDS
+from raylastic.jobconfig.strategy import Compression as CompressionKind
+from raylastic.strategies.compression.accounting import CommTraffic, HookState
+from raylastic.strategies.compression.int8 import Int8State, int8_hook
+from raylastic.strategies.compression.lowp import LowPrecisionState, low_precision_hook
+from raylastic.strategies.compression.onebit import OneBitState, onebit_hook
+from raylastic.strategies.compression.powersgd import PowerSGDHookState, powersgd_hook
+from raylastic.strategies.compression.topk import TopKState, topk_hook
 
 CommHookFn = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 

@@ -17,8 +17,7 @@ import math
 
 import torch
 import torch.distributed as dist
-
-from strategies.compression.accounting import ErrorFeedback, HookState, all_gather_bytes, as_bytes, from_bytes
+from raylastic.strategies.compression.accounting import ErrorFeedback, HookState, all_gather_bytes, as_bytes, from_bytes
 
 
 class TopKState(HookState):
