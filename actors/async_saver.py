@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from raylastic.actors.mailbox import StatusMailbox
 from raylastic.actors.run_status import Event
 from raylastic.strategies.base import Strategy, TrainState, scaler_entries

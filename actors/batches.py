@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
+
 from raylastic.actors.batch_split import BatchSplit
 from raylastic.actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
 from raylastic.jobconfig import DataConfig
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 Collate = Callable[[list[Any]], Any]
 

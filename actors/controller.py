@@ -18,6 +18,7 @@ import time
 import traceback
 
 import ray
+
 from raylastic.actors.drains import Drains
 from raylastic.actors.events import RunLog
 from raylastic.actors.faults import FaultPlan

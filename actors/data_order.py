@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+
 from raylastic.actors.batch_split import BatchSplit
 
 logger = logging.getLogger(__name__)

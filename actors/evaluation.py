@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
 from raylastic.actors.batch_split import rank_slice
 from raylastic.actors.batches import fetch_batch, loader_inputs, to_device
 from raylastic.workloads.protocol import Workload

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import ray
+
 from raylastic.jobconfig import FaultConfig
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+
 from raylastic.actors.failures import is_peer_loss, plain_error
 from raylastic.actors.group_status import LostWorker
 from raylastic.actors.poller import death_reason

@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
+
 from raylastic.actors.failures import plain_error
 from raylastic.actors.placement import ReservedSlots, WorkerSlots
 from raylastic.actors.warm_start import TRAINS, WarmProcesses

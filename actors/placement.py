@@ -14,6 +14,7 @@ import ray
 from ray import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from raylastic.jobconfig.naming import slot_name
 
 WAIT_INTERVAL_S = 0.05

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+
 from raylastic.actors.group_status import DONE_PHASES, MemberStatus, RankNews
 from raylastic.actors.membership import Member
 

@@ -17,8 +17,9 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
-from raylastic.jobconfig import OptimConfig
 from torch.distributed.tensor import DTensor
+
+from raylastic.jobconfig import OptimConfig
 
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 import torch.distributed as dist
+
 from raylastic.actors.rendezvous_keys import RendezvousAborted
 
 RPC_MARGIN_S = 30.0

@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from raylastic.actors.warm_start import TRAINS_NOTHING
 from raylastic.strategies.group_assignment import generation_prefix
 

@@ -34,6 +34,8 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset
+
 from raylastic.actors.batch_split import BatchSplit
 from raylastic.actors.batches import planned_batches, to_device
 from raylastic.actors.compute_clock import ComputeClock
@@ -44,7 +46,6 @@ from raylastic.jobconfig import DataConfig, OptimConfig
 from raylastic.strategies.base import Strategy, TrainState
 from raylastic.strategies.emulated_link import EmulatedLink
 from raylastic.workloads.protocol import Workload
-from torch.utils.data import Dataset
 
 
 class NonFiniteStep(RuntimeError):

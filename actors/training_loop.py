@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset
+
 from raylastic.actors.async_saver import AsyncSaver
 from raylastic.actors.balance import Balancer
 from raylastic.actors.evaluation import Evaluator
@@ -43,7 +45,6 @@ from raylastic.jobconfig import DataConfig, EvalConfig, TrainingConfig
 from raylastic.strategies.base import TrainState
 from raylastic.strategies.buddy_copy import BuddyCopies
 from raylastic.strategies.process_group import abort_group
-from torch.utils.data import Dataset
 
 LOOP_EXIT_GRACE_S = 5.0
 """Beyond the collective timeout: how long a leaving loop thread may take to give up on its peers."""

@@ -59,8 +59,9 @@ def import_training_modules() -> None:
         return
     began_at = time.time()
     try:
-        import raylastic.actors.worker  # noqa: F401
         import torch._dynamo  # noqa: F401 - the first optimizer step's import (DTensor, sympy): the largest part
+
+        import raylastic.actors.worker  # noqa: F401
     except Exception:  # noqa: BLE001 - Ray ends a process whose hook raises: this one can still serve, cold
         logger.warning("the training modules could not be imported ahead; workers here will start cold",
                        exc_info=True)

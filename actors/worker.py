@@ -32,6 +32,7 @@ from datetime import timedelta
 import ray
 import torch
 import torch.distributed as dist
+
 from raylastic.actors.allocator import keep_freed_memory
 from raylastic.actors.async_saver import AsyncSaver
 from raylastic.actors.batch_split import BatchSplit

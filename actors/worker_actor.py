@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+
 from raylastic.actors.warm_start import ProcessStart
 from raylastic.jobconfig import (
     DataConfig,

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+
 from raylastic.actors.failures import plain_error
 from raylastic.actors.group_status import GroupStatus, LostWorker
 from raylastic.actors.member_calls import (

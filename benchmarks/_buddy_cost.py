@@ -12,10 +12,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from raylastic.jobconfig import job_config_from_dict
-
 from benchmarks.common import alternated
 from benchmarks.throughput import GPT_MODEL, GPT_PRECISION, GPT_RECIPE, WARMUP_FRACTION, gpt_token_dir, measure_ours
+from raylastic.jobconfig import job_config_from_dict
 
 NUM_WORKERS, CPUS_PER_WORKER, GLOBAL_BATCH, SEED = 4, 0.5, 64, 0
 SIDES = {"buddy": True, "none": False}

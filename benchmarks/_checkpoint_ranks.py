@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from raylastic.strategies.checkpoint import Checkpointer, load_into
-from raylastic.strategies.checkpoint_manifest import read_manifest, write_manifest
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from benchmarks._sharded_setup import GPT_50M, Setup, set_up
+from raylastic.strategies.checkpoint import Checkpointer, load_into
+from raylastic.strategies.checkpoint_manifest import read_manifest, write_manifest
 
 GPT_10M = {"n_layer": 6, "n_head": 8, "n_embd": 384, "block_size": 64}
 PERIOD, ASYNC_BATCH = 8, 2

@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import ray
+
 import raylastic.cluster.job
+from benchmarks import _recovery_helpers as helpers
+from benchmarks.common import REPO_ROOT
 from raylastic.actors.controller import RunFailed
 from raylastic.actors.run_status import Event, RunStatus
 from raylastic.cluster.connect import job_runtime_env
 from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import NAMESPACE, controller_name, worker_name
-
-from benchmarks import _recovery_helpers as helpers
-from benchmarks.common import REPO_ROOT
 
 DRAIN_DEADLINE_S = 60
 LINGER_S = 3.0  # a run followed until a change is stopped this long after it is seen: what the plot shows

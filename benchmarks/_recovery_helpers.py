@@ -57,6 +57,7 @@ def ray_train_loop(config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
     import torch.distributed as dist
+
     from raylastic.actors.data_order import GlobalSampleOrder
     from raylastic.workloads.digits import Digits
 

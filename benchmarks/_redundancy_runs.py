@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import raylastic.cluster.job
-from raylastic.jobconfig import load_job_config
 
+import raylastic.cluster.job
 from benchmarks import _recovery_changes as changes
 from benchmarks.recovery import HIDDEN, summarize_failure
+from raylastic.jobconfig import load_job_config
 
 NUM_WORKERS, MIN_WORKERS, CPUS_PER_WORKER, GLOBAL_BATCH, LR, SEED = 4, 3, 0.5, 64, 1e-3, 0
 WARMUP_STEPS, STEPS_CAP = 10, 100_000  # the kill runs are stopped once measured

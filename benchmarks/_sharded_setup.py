@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from raylastic.actors.data_order import GlobalSampleOrder
 from raylastic.actors.recipe import optimizer_factory
 from raylastic.actors.step_loop import StepRunner

@@ -30,14 +30,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Sampler, TensorDataset, default_collate
+
 from raylastic.actors.compute_clock import ComputeClock
 from raylastic.actors.data_order import GlobalSampleOrder
 from raylastic.actors.recipe import learning_rate
 from raylastic.actors.step_loop import step_seed
 from raylastic.jobconfig import JobConfig, job_config_from_dict
 from raylastic.workloads import load_workload
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Sampler, TensorDataset, default_collate
 
 
 class RankSlices(Sampler[list[int]]):

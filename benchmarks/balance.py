@@ -40,12 +40,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
+from benchmarks.common import RESULTS, alternated, code_version, machine_info
+from benchmarks.throughput import WARMUP_FRACTION, measure_ours, run_torchrun
 from raylastic.actors.run_status import RunResult
 from raylastic.cluster.connect import ray_session
 from raylastic.jobconfig import job_config_from_dict
-
-from benchmarks.common import RESULTS, alternated, code_version, machine_info
-from benchmarks.throughput import WARMUP_FRACTION, measure_ours, run_torchrun
 
 HIDDEN, GLOBAL_BATCH, FACTOR = 1024, 768, 2.0
 """A step that is mostly compute (~30 of ~40 ms at 2 workers). At the issue's hidden=2048 and ~96 samples, the

@@ -45,10 +45,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from raylastic.workloads.chargpt import CharGPT
-
 from benchmarks._checkpoint_ranks import ASYNC_BATCH, GPT_10M, MODES, PERIOD, async_cost_rank, save_and_load_rank
 from benchmarks.common import RESULTS, machine_info
+from raylastic.workloads.chargpt import CharGPT
 from tests.distributed_harness import run_distributed
 
 GOAL_ASYNC_OVERHEAD = 0.10

@@ -84,6 +84,7 @@ def local_ray(num_cpus: int, *, ours: bool = True) -> None:
     """A local Ray instance; ours: the job's runtime environment as ``raylastic train`` sets it (the setup hook
     that imports our modules), otherwise as a Ray Train user's job has it."""
     import ray
+
     from raylastic.cluster.connect import job_runtime_env
     from raylastic.jobconfig.naming import NAMESPACE
 

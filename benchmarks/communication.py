@@ -45,13 +45,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from benchmarks.common import REPO_ROOT, RESULTS, alternated, machine_info
 from raylastic.actors.run_status import RunResult
 from raylastic.cluster.connect import ray_session
 from raylastic.cluster.job import train
 from raylastic.jobconfig import load_job_config
 from raylastic.workloads.chargpt import CharGPT
-
-from benchmarks.common import REPO_ROOT, RESULTS, alternated, machine_info
 
 SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 64}
 WORKLOAD = "{" + ", ".join(f"{k}: {v}" for k, v in SHAPE.items()) + "}"

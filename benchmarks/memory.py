@@ -40,12 +40,12 @@ import os
 
 import torch
 import torch.distributed as dist
-from raylastic.strategies.base import TrainState, memory_breakdown
-from raylastic.workloads.chargpt import CharGPT
 from torch.distributed.tensor import DTensor
 
 from benchmarks._sharded_setup import GPT_50M, set_up
 from benchmarks.common import RESULTS, machine_info
+from raylastic.strategies.base import TrainState, memory_breakdown
+from raylastic.workloads.chargpt import CharGPT
 from tests.distributed_harness import run_distributed
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")

@@ -51,16 +51,16 @@ from typing import Any
 
 import ray
 import torch
+
+from benchmarks import _recovery_changes as changes
+from benchmarks import _recovery_helpers as helpers
+from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray
 from raylastic.actors.controller import RunFailed
 from raylastic.actors.rendezvous_keys import RendezvousKeys, beside_this_process
 from raylastic.actors.run_status import Event
 from raylastic.actors.warm_start import WarmProcesses
 from raylastic.jobconfig import load_job_config
 from raylastic.jobconfig.naming import worker_name
-
-from benchmarks import _recovery_changes as changes
-from benchmarks import _recovery_helpers as helpers
-from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray
 
 NUM_WORKERS, GLOBAL_BATCH, HIDDEN, CHECKPOINT_EVERY, LR, SEED = 2, 64, 512, 10, 1e-3, 0
 GOALS = {"recovery_s_below": 1.5, "speedup_at_least": 5.0, "steps_redone_at_most": 1, "scale_up_s_below": 3.0,

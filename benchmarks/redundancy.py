@@ -57,13 +57,13 @@ from typing import Any
 
 import ray
 import torch
-from raylastic.workloads.digits import Digits
 
 from benchmarks import _buddy_cost, _redundancy_plot
 from benchmarks import _recovery_changes as changes
 from benchmarks import _redundancy_runs as runs
 from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray
 from benchmarks.recovery import HIDDEN, numbers
+from raylastic.workloads.digits import Digits
 
 GOALS = {"r2": {"steps_redone_at_most": 1, "time_lost_s_below": 2.0},
          "buddy": {"steps_lost_at_most": 1, "time_lost_s_below": 2.0},

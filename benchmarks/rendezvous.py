@@ -29,13 +29,13 @@ from datetime import timedelta
 
 import ray
 import torch.distributed as dist
+
+from benchmarks.common import RESULTS, alternated, machine_info
 from raylastic.actors.rendezvous import RayStore
 from raylastic.actors.rendezvous_keys import RendezvousKeys
 from raylastic.cluster.connect import ray_session
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.strategies.process_group import join_group, leave_group
-
-from benchmarks.common import RESULTS, alternated, machine_info
 
 GOAL_EXTRA_S = 0.050
 TIMEOUT_S = 60.0

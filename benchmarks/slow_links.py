@@ -53,11 +53,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import RESULTS, alternated, code_version, machine_info
 from raylastic.cluster.connect import ray_session
 from raylastic.cluster.job import train
 from raylastic.jobconfig import job_config_from_dict
-
-from benchmarks.common import RESULTS, alternated, code_version, machine_info
 
 HIDDEN, GLOBAL_BATCH, WORKERS, LR, FACTOR = 2048, 32, 2, 1e-3, 2.0
 SERVERS, SERVER_CPUS = 2, 0.5

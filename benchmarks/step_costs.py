@@ -40,6 +40,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from benchmarks._torchrun_ddp import PlainDDP, step_batches
+from benchmarks.common import RESULTS, alternated, machine_info
+from benchmarks.throughput import job_sections
 from raylastic.actors import step_loop
 from raylastic.actors.batch_split import BatchSplit
 from raylastic.actors.batches import planned_batches, to_device
@@ -50,10 +54,6 @@ from raylastic.actors.stop_vote import StopVote
 from raylastic.jobconfig import job_config_from_dict
 from raylastic.strategies.ddp import DDPStrategy
 from raylastic.workloads import load_workload
-
-from benchmarks._torchrun_ddp import PlainDDP, step_batches
-from benchmarks.common import RESULTS, alternated, machine_info
-from benchmarks.throughput import job_sections
 from tests.distributed_harness import run_distributed
 
 VARIANTS = ("peer", "steprunner", "+vote", "-norm", "-seed", "-loader")
@@ -164,6 +164,7 @@ def measure(sections: dict, steps: int, rounds: int) -> dict[str, dict[str, list
 
 def in_ray_actors(sections: dict, steps: int, rounds: int) -> dict[str, dict[str, list[float]]]:
     import ray
+
     from raylastic.cluster.connect import ray_session
 
     @ray.remote(num_cpus=1)

@@ -47,15 +47,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from benchmarks._cpu_meter import CpuMeter, Measurement, descendants
+from benchmarks.common import REPO_ROOT, RESULTS, alternated, machine_info
 from raylastic.actors.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 from raylastic.actors.run_status import RunResult
 from raylastic.cluster.connect import ray_session
 from raylastic.cluster.job import train
 from raylastic.jobconfig import JobConfig, job_config_from_dict
 from raylastic.workloads.tokens import prepare_corpus, stdlib_corpus_files
-
-from benchmarks._cpu_meter import CpuMeter, Measurement, descendants
-from benchmarks.common import REPO_ROOT, RESULTS, alternated, machine_info
 
 PEER_SCRIPT = REPO_ROOT / "benchmarks" / "_torchrun_ddp.py"
 NUM_WORKERS = 2

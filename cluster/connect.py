@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Iterator
 
 import ray
+
 from raylastic.cluster.import_path import IMPORT_PATH_VARIABLE, SETUP_HOOK
 from raylastic.cluster.loopback import is_loopback, is_loopback_only, loopback_interfaces, loopback_node
 from raylastic.jobconfig.naming import NAMESPACE

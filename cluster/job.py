@@ -29,6 +29,7 @@ import fsspec
 import ray
 from fsspec.implementations.local import LocalFileSystem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from raylastic.actors.async_ps.controller import AsyncControllerActor
 from raylastic.actors.controller import ControllerActor, RunFailed
 from raylastic.actors.placement import ReservedBundles, remove_run_slots

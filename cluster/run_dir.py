@@ -29,6 +29,7 @@ from typing import Any
 
 import fsspec
 import torch
+
 from raylastic.actors.controller import RunFailed
 from raylastic.actors.run_status import Event, RunResult, RunStatus
 from raylastic.cluster.tracking import RunEnd

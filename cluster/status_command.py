@@ -17,10 +17,11 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Any
 
-from raylastic.actors.run_status import RunStatus
-from raylastic.jobconfig.naming import NAMESPACE, controller_name, run_of_controller, run_prefix
 from rich.console import Console
 from rich.markup import escape
+
+from raylastic.actors.run_status import RunStatus
+from raylastic.jobconfig.naming import NAMESPACE, controller_name, run_of_controller, run_prefix
 
 RECENT_EVENTS = 10
 ANSWER_TIMEOUT_S = 10.0

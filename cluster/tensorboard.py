@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from raylastic.actors.run_status import RunStatus
 from tensorboardX import SummaryWriter
+
+from raylastic.actors.run_status import RunStatus
 
 SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "world_size", "bytes_sent", "comm_s", "exposed_comm_s", "step_s")
 

@@ -69,8 +69,9 @@ def collect_files(paths: list[Path], globs: tuple[str, ...] | list[str]) -> list
 
 
 def run(args: argparse.Namespace) -> int:
-    from raylastic.workloads.tokens import prepare_corpus, stdlib_corpus_files
     from rich.console import Console
+
+    from raylastic.workloads.tokens import prepare_corpus, stdlib_corpus_files
 
     errors = Console(stderr=True, soft_wrap=True)
     try:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from raylastic.cluster.job_arguments import add_job_arguments, job_from_arguments
 from rich.console import Console
+
+from raylastic.cluster.job_arguments import add_job_arguments, job_from_arguments
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from raylastic.jobconfig.job import JobConfig
 
 

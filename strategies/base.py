@@ -23,10 +23,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
 from raylastic.strategies.checkpoint import load_into
 from raylastic.strategies.compression.accounting import CommTraffic
 from raylastic.strategies.shard_layout import ShardLayout
-from torch.distributed.tensor import DTensor
 
 ModelFactory = Callable[[], torch.nn.Module]
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]

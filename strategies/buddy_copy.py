@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from raylastic.strategies.base import Strategy, TrainState, scaler_entries
 from raylastic.strategies.peer_restore import ShardCopy
 from raylastic.strategies.shard_copy import (

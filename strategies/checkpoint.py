@@ -37,6 +37,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
 from raylastic.strategies.checkpoint_catalogue import CheckpointSettings, prune_checkpoints
 from raylastic.strategies.checkpoint_manifest import (
     MARKER_NAME,
@@ -53,9 +57,6 @@ from raylastic.strategies.checkpoint_manifest import (
 )
 from raylastic.strategies.checkpoint_metadata import safe_reader
 from raylastic.strategies.plain_objects import all_gather_plain, broadcast_plain
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
 logger = logging.getLogger(__name__)
 

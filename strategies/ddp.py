@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
 from raylastic.strategies.base import CommInstruments, GroupContext, ModelFactory, OptimizerFactory, TrainState
 from raylastic.strategies.compression import CommHook, CompressionOptions, make_comm_hook
 from raylastic.strategies.compression.accounting import NO_TRAFFIC, CommTraffic, UncompressedTraffic
@@ -22,7 +24,6 @@ from raylastic.strategies.flat_state import copy_into, model_entries, optimizer_
 from raylastic.strategies.hierarchical import make_hierarchical_hook
 from raylastic.strategies.overlap import CommTimer
 from raylastic.strategies.state_transfer import broadcast_training_state
-from torch.nn.parallel import DistributedDataParallel
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_cap_mb: float) -> torch.nn.Module:

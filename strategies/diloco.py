@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from raylastic.jobconfig.strategy import DiLoCoCompression
 from raylastic.strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState
 from raylastic.strategies.compression.accounting import NO_TRAFFIC, CommTraffic

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, file_problem, read_manifest, verify
 from raylastic.strategies.checkpoint_metadata import safe_reader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 MODEL_PREFIX = "model."
 

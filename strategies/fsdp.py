@@ -32,12 +32,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from raylastic.strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
-from raylastic.strategies.compression.accounting import NO_TRAFFIC, CommTraffic
-from raylastic.strategies.shard_layout import ShardLayout, effective_replicas
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+from raylastic.strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
+from raylastic.strategies.compression.accounting import NO_TRAFFIC, CommTraffic
+from raylastic.strategies.shard_layout import ShardLayout, effective_replicas
 
 logger = logging.getLogger(__name__)
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -24,9 +24,10 @@ Example::
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
 from raylastic.strategies.compression import CommHook
 from raylastic.strategies.compression.accounting import HookState, resolves_to
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 
 def ranks_by_node(node_ids: list[str]) -> list[list[int]]:

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
 from raylastic.strategies.base import Strategy, TrainState, init_optimizer_state, scaler_entries, set_scaler
 from raylastic.strategies.peer_restore import PeerRestorePlan, ShardCopy
 from raylastic.strategies.plain_objects import broadcast_plain, dtype_name, dtype_of
 from raylastic.strategies.shard_layout import ShardLayout, row_bounds
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 logger = logging.getLogger(__name__)
 

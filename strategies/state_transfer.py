@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from raylastic.strategies.plain_objects import broadcast_plain, dtype_name, dtype_of
 
 

@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
 from raylastic.strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
 from raylastic.strategies.compression.accounting import NO_TRAFFIC, CommTraffic
 from raylastic.strategies.ddp import ddp_no_sync, wrap_ddp
 from raylastic.strategies.flat_state import copy_into, model_entries, optimizer_entries
 from raylastic.strategies.fsdp import generation_mesh, release_group_with, replicas_for_group
 from raylastic.strategies.shard_layout import ShardLayout, row_bounds
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from raylastic.strategies.checkpoint import Checkpointer
 from raylastic.strategies.checkpoint_manifest import read_manifest, write_manifest
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+
 from raylastic.actors.controller import Controller
 from raylastic.actors.group_status import GroupStatus, LostWorker, MemberStatus, RankNews
 from raylastic.actors.mailbox import StepResult, WorkerStatus
@@ -25,7 +26,6 @@ from raylastic.actors.worker_actor import JoinReport
 from raylastic.actors.worker_group import MembersFailed
 from raylastic.strategies.build import build_strategy
 from raylastic.strategies.checkpoint_manifest import CheckpointManifest, write_manifest
-
 from tests.helpers import job
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from raylastic.workloads.digits import Digits
 from torch.utils.data import TensorDataset
+
+from raylastic.workloads.digits import Digits
 
 
 class _DigitsBase:

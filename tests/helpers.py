@@ -12,9 +12,11 @@ from typing import Any
 
 import ray
 import torch
+
 from raylastic.actors.data_order import GlobalSampleOrder
 from raylastic.actors.run_status import Event, RunStatus
 from raylastic.jobconfig import load_job_config
+from tests.ray_head import process_start_time
 
 
 def job(*overrides: str, name: str = "t"):
@@ -60,7 +62,7 @@ class StoppedProcess:
     reused one would hit another test's process."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.started = pid, _start_time(pid)
+        self.pid, self.started = pid, process_start_time(pid)
         os.kill(pid, signal.SIGSTOP)
 
     def resume(self) -> None:
@@ -72,17 +74,8 @@ class StoppedProcess:
         self._signal(signal.SIGKILL)
 
     def _signal(self, signum: int) -> None:
-        if self.started is not None and _start_time(self.pid) == self.started:
+        if self.started is not None and process_start_time(self.pid) == self.started:
             os.kill(self.pid, signum)
-
-
-def _start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat's 22nd field); None if none runs."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(fields[19])
 
 
 def load_model(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -6,8 +6,9 @@ finds the sample that a given step and rank train on."""
 from __future__ import annotations
 
 import torch
-from raylastic.actors.data_order import GlobalSampleOrder
 from torch.utils.data import TensorDataset
+
+from raylastic.actors.data_order import GlobalSampleOrder
 
 
 class PoisonedDigits:

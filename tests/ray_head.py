@@ -18,11 +18,13 @@ import os
 import re
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import venv
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,16 +79,18 @@ class RayHead:
         return self.log_path.read_text(errors="replace")
 
 
-def start_head(num_cpus: int = 2, *, extra_env: dict[str, str] | None = None, timeout_s: float = 90.0) -> RayHead:
-    """``ray start --head --block`` on free ports, 127.0.0.1 dashboard; returns once it is up."""
+def start_head(num_cpus: int = 2, *, extra_env: dict[str, str] | None = None, timeout_s: float = 90.0,
+               bin_dir: Path = VENV_BIN) -> RayHead:
+    """``ray start --head --block`` on free ports, 127.0.0.1 dashboard, with the ``python`` and ``ray`` of ``bin_dir``
+    (first on its PATH: the jobs run that python); returns once it is up."""
     auth_token()
     gcs, dashboard, metrics, client, agent = free_ports(5)
     temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths have a length limit
     log_path = Path(temp_dir) / "head.log"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"  # as with the venv activated: jobs run its python
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # as with the venv activated: jobs run its python
     env.update(PRESTART_OFF, **(extra_env or {}))
-    command = [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--port={gcs}",
+    command = [str(bin_dir / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--port={gcs}",
                "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}",
                f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
                f"--temp-dir={temp_dir}", "--disable-usage-stats"]
@@ -106,6 +110,21 @@ def start_head(num_cpus: int = 2, *, extra_env: dict[str, str] | None = None, ti
     return head
 
 
+def python_without_raylastic(directory: Path) -> Path:
+    """A virtual environment in ``directory`` with every package of this one but raylastic (its site-packages
+    added as a plain path, so the editable install's finder, started by a .pth file there, is not); returns its
+    bin directory, holding ``python`` and ``ray``."""
+    venv.create(directory, with_pip=False)
+    python = directory / "bin" / "python"
+    target = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    Path(target, "this_venvs_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    ray = directory / "bin" / "ray"
+    ray.write_text(f"#!{python}\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n")
+    ray.chmod(0o755)
+    return directory / "bin"
+
+
 def stop_head(head: RayHead) -> None:
     """SIGTERM to the ``ray start --block`` process (it stops its children); SIGKILL what we started if stuck."""
     head.descendants.update(_descendants(head.process.pid))
@@ -117,7 +136,7 @@ def stop_head(head: RayHead) -> None:
             head.process.kill()
             head.process.wait()
     deadline = time.monotonic() + 10
-    while (left := [p for p, started in head.descendants.items() if _start_time(p) == started]) and \
+    while (left := [p for p, started in head.descendants.items() if process_start_time(p) == started]) and \
             time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in left:  # still there after the head stopped: ours, so ours to end
@@ -169,13 +188,15 @@ def _descendants(root: int) -> dict[int, str]:
     while frontier:
         parent = frontier.pop()
         for pid in [p for p, pp in parents.items() if pp == parent]:
-            if (started := _start_time(pid)) is not None:
+            if (started := process_start_time(pid)) is not None:
                 found[pid] = started
                 frontier.append(pid)
     return found
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
+    """When process ``pid`` started (/proc/<pid>/stat's 22nd field): with the pid, it names one process; None if
+    none runs."""
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):

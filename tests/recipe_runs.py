@@ -10,14 +10,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
 from raylastic.actors.data_order import GlobalSampleOrder
 from raylastic.actors.evaluation import Evaluator
 from raylastic.actors.recipe import optimizer_factory
 from raylastic.actors.step_loop import StepRunner
 from raylastic.jobconfig import OptimConfig, StrategyConfig
 from raylastic.strategies.build import build_strategy
-from torch.utils.data import TensorDataset
-
 from tests.helpers import step_indices
 
 FEATURES, HIDDEN, CLASSES = 6, 9, 5  # odd sizes: dim-0 shards are uneven at world sizes 2 and 3

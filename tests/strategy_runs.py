@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from raylastic.actors.batch_split import BatchSplit
 from raylastic.actors.data_order import GlobalSampleOrder
 from raylastic.actors.recipe import optimizer_factory

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+
 from raylastic.actors.async_ps.checkpoints import newest_complete
 from raylastic.actors.async_ps.prediction import STALENESS_AVERAGING, WeightPredictor
 from raylastic.actors.async_ps.server import ParameterServer, ServerFailed, ServerSpec
@@ -18,7 +19,6 @@ from raylastic.actors.recipe import learning_rate, optimizer_factory, set_learni
 from raylastic.cluster.job import train
 from raylastic.jobconfig import OptimConfig, TrainingConfig, WorkloadConfig, load_job_config
 from raylastic.workloads import load_workload
-
 from tests.helpers import assert_states_close, job, load_model
 
 DIGITS_TRAIN_SAMPLES = 1437

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from raylastic.actors.async_ps.checkpoints import Cut, clear_after, complete_checkpoints, newest_complete, prune
 from raylastic.actors.async_ps.server import ParameterServer, UnreadableCheckpoint
-
 from tests.test_async_ps import digits_names, gradients_of, server_spec, wait_written
 
 

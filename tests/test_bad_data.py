@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 import raylastic.workloads.token_checks as token_checks
 import raylastic.workloads.tokens as tokens
 from raylastic.cluster.cli import main as cli_main
@@ -150,7 +151,6 @@ def test_tokenize_never_replaces_a_directory_holding_other_files(tmp_path, text_
 def test_a_run_on_an_empty_training_set_fails_at_the_start_naming_the_sizes(tmp_path):
     from raylastic.actors.controller import RunFailed
     from raylastic.cluster.job import train
-
     from tests.helpers import job
 
     config = job("workload.name=tests.user_workload:Parity", "workload.options={num_samples: 0}",

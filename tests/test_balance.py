@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 import torch
+
 from raylastic.actors.balance import (
     DECISION_VOTES,
     REBALANCE_GAIN,
@@ -21,7 +22,6 @@ from raylastic.actors.balance import (
 )
 from raylastic.actors.batch_split import BatchSplit
 from raylastic.actors.data_order import GlobalSampleOrder
-
 from tests.distributed_harness import run_distributed as run_on_ranks
 from tests.strategy_runs import GLOBAL_BATCH, train_and_report
 

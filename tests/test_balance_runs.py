@@ -7,9 +7,9 @@ from __future__ import annotations
 import statistics
 
 import pytest
+
 from raylastic.cluster.job import train
 from raylastic.workloads.digits import Digits
-
 from tests.helpers import applied_samples, assert_states_close, job, load_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")

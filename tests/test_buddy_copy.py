@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+
 from raylastic.strategies.buddy_copy import BuddyCopies
 from raylastic.strategies.peer_restore import ShardCopy, plan_peer_restore
 from raylastic.strategies.process_group import leave_group
@@ -26,7 +27,6 @@ from raylastic.strategies.shard_copy import (
     unpack_shard,
 )
 from raylastic.strategies.shard_layout import ShardLayout
-
 from tests.distributed_harness import run_distributed
 from tests.strategy_runs import setup
 

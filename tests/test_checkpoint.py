@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+
 from raylastic.strategies.checkpoint import verify_for_load
 from raylastic.strategies.checkpoint_catalogue import complete_checkpoints, newest_complete, newest_loadable
 from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, checksum_share
 from raylastic.strategies.export import load_full_model_state
-
 from tests.conftest import REPO_ROOT
 from tests.distributed_harness import run_distributed
 from tests.strategy_runs import train_with_saves

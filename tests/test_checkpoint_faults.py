@@ -14,16 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
 from raylastic.actors.run_status import RunStatus
 from raylastic.strategies.checkpoint import Checkpointer, CheckpointLoadError, load_into
 from raylastic.strategies.checkpoint_catalogue import complete_checkpoints, newest_loadable
 from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, read_manifest, verify
 from raylastic.strategies.checkpoint_metadata import safe_reader
 from raylastic.strategies.export import load_full_model_state
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
 from tests.checkpoint_saves import SHARD_VALUES, Saves, replant_manifest, save_steps, sharded_state, step_dirs
 from tests.distributed_harness import run_distributed
 
@@ -254,7 +254,6 @@ def make_read_only(root: Path) -> None:
 def test_a_checkpoint_path_that_stops_taking_files_mid_run_ends_it_naming_path_and_cause(tmp_path, block, cause):
     from raylastic.actors.controller import RunFailed
     from raylastic.cluster.job import train
-
     from tests.helpers import job
 
     if block is make_read_only:

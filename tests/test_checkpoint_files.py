@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from raylastic.cluster.cli import main as cli_main
 from raylastic.strategies.checkpoint_catalogue import complete_checkpoints, newest_loadable
 from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, MARKER_NAME, read_manifest, verify
 from raylastic.strategies.export import load_full_model_state
-
 from tests.checkpoint_saves import Saves, save_steps, step_dirs
 from tests.distributed_harness import run_distributed
 
@@ -187,6 +187,7 @@ def test_on_an_fsspec_store_names_and_file_types_are_checked_and_only_our_direct
     import uuid
 
     import fsspec
+
     from raylastic.strategies.checkpoint_catalogue import prune_checkpoints
     from raylastic.strategies.checkpoint_manifest import CheckpointManifest, checksums, file_problem, write_manifest
 

@@ -18,6 +18,8 @@ another user's cluster.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,6 +35,7 @@ from tests.ray_head import (
     RayHead,
     auth_token,
     listening_addresses,
+    python_without_raylastic,
     session_processes,
     start_head,
     stop_head,
@@ -123,6 +126,27 @@ def test_ray_job_submit_trains_to_success_with_metrics_in_the_logs(head: RayHead
     assert "finished step 20: loss " in logs and "accuracy" in logs, logs[-3000:]
     assert "step 20/20  loss" in logs  # progress lines stream into the job's logs
     assert "generation_formed" in logs
+
+
+def test_a_head_without_raylastic_installed_runs_a_job_submitted_with_its_working_dir(tmp_path) -> None:
+    """The head's Python has raylastic's dependencies and not raylastic: the job's driver and workers import it
+    from the uploaded working directory."""
+    bin_dir = python_without_raylastic(tmp_path / "venv")
+    missing = subprocess.run([str(bin_dir / "python"), "-c", "import raylastic"], cwd=tmp_path, capture_output=True,
+                             text=True)
+    assert "No module named 'raylastic'" in missing.stderr
+    bare = start_head(bin_dir=bin_dir)
+    try:
+        where = "python -c 'import raylastic; print(\"raylastic from\", raylastic.__file__)'"
+        job = shlex.join(["python", "-m", "raylastic", "train", "--set", "name=bare", *SHORT_JOB, *ONE_WORKER])
+        submitted = _run([str(bin_dir / "ray"), "job", "submit", "--address", bare.dashboard_url, "--working-dir", ".",
+                          "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--", "sh", "-c",
+                          f"{where} && {job}"], bare, RAY_AUTH_MODE="token")
+    finally:
+        stop_head(bare)
+    output = submitted.stdout + submitted.stderr
+    assert submitted.returncode == 0 and "finished step 20" in output, output[-4000:]
+    assert re.search(r"raylastic from \S*working_dir_files\S*/raylastic/__init__.py", output), output[-4000:]
 
 
 def test_job_with_a_bad_config_fails_with_the_reason_in_its_logs(head: RayHead, bad_config_job: str) -> None:

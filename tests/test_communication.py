@@ -24,10 +24,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
 from raylastic.cluster.job import train
 from raylastic.jobconfig import JobConfig, StrategyConfig, TrainingConfig, load_job_config
 from raylastic.workloads.digits import Digits
-
 from tests.conftest import REPO_ROOT
 from tests.helpers import applied_samples, job
 from tests.test_cli import GUARDED_MAIN, RAY_INIT_EXIT_CODE

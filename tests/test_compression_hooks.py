@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
 from raylastic.strategies.compression import COMPRESSION_KINDS, CompressionOptions, make_comm_hook
 from raylastic.strategies.compression.accounting import CommTraffic, HookState, UncompressedTraffic
 from raylastic.strategies.compression.int8 import reference_int8_mean
@@ -23,8 +25,6 @@ from raylastic.strategies.compression.onebit import pack_signs, reference_onebit
 from raylastic.strategies.compression.powersgd import reference_powersgd_mean
 from raylastic.strategies.compression.topk import reference_topk_mean
 from raylastic.strategies.ddp import DDPStrategy
-from torch.nn.parallel import DistributedDataParallel
-
 from tests.distributed_harness import FakeBucket, run_distributed
 
 SMALL = [[(30, 20)], [(43,)]]  # two buckets (indices 0, 1) per step; 43 is not a multiple of 8

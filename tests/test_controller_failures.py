@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from raylastic.actors.controller import Controller, RunFailed
 from raylastic.actors.group_status import LostWorker
 from raylastic.actors.run_states import (
@@ -27,7 +28,6 @@ from raylastic.actors.run_states import (
 from raylastic.actors.worker_group import MemberRaised
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.peer_restore import ShardCopy
-
 from tests.fake_group import STEPS, FakeGroup, controller, events, lose, states_until_end, with_member, write_checkpoint
 
 pytestmark = pytest.mark.timeout(10)

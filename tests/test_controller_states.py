@@ -11,6 +11,7 @@ import dataclasses
 import time
 
 import pytest
+
 from raylastic.actors.group_status import LostWorker
 from raylastic.actors.run_states import (
     Failed,
@@ -23,7 +24,6 @@ from raylastic.actors.run_states import (
 )
 from raylastic.jobconfig import FaultConfig
 from raylastic.strategies.peer_restore import ShardCopy
-
 from tests.fake_group import STEPS, controller, events, states_until_end, with_member, write_checkpoint
 
 pytestmark = pytest.mark.timeout(10)

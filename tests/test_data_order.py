@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
+
 from raylastic.actors.batch_split import BatchSplit, rank_slice
 from raylastic.actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
 from raylastic.jobconfig import TrainingConfig
-
 from tests.helpers import step_indices
 
 WORLD_SIZES = range(1, 6)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from raylastic.cluster.job import train
 from raylastic.jobconfig import load_job_config
 from raylastic.tuning.search_space import SearchSpace
 from raylastic.workloads.tokens import prepare_corpus, stdlib_corpus_files
-
 from tests.distributed_harness import run_distributed as run_on_ranks
 from tests.helpers import job
 from tests.strategy_runs import (

@@ -15,13 +15,13 @@ import time
 
 import pytest
 import ray
+
 from raylastic.actors.controller import RunFailed
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name, worker_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.export import load_full_model_state
 from raylastic.workloads.digits import Digits
-
 from tests.conftest import REPO_ROOT
 from tests.helpers import applied_samples, assert_states_close, job, load_model, wait_until_gone, with_ctrl_c_enabled
 

@@ -10,10 +10,10 @@ import statistics
 
 import pytest
 import torch
+
 from raylastic.cluster.job import train
 from raylastic.jobconfig import LinkConfig, load_job_config
 from raylastic.strategies.emulated_link import EmulatedLink
-
 from tests.helpers import job, load_model
 
 

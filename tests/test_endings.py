@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import ray
 from ray.util.placement_group import placement_group_table
+
 from raylastic.actors.controller import RunFailed
 from raylastic.actors.run_status import RunStatus
 from raylastic.cluster.import_path import after_standard_library
 from raylastic.cluster.job import RunStopped, train
 from raylastic.cluster.termination import StopRequest, sigterm_asks
 from raylastic.jobconfig.naming import controller_name, slot_name
-
 from tests.helpers import job, wait_until_gone
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

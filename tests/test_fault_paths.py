@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import ray
+
 from raylastic.actors.controller import RunFailed
 from raylastic.actors.rendezvous_keys import RendezvousKeys
 from raylastic.actors.run_status import Event, RunStatus
@@ -25,7 +26,6 @@ from raylastic.strategies.checkpoint import Checkpointer
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.workloads.digits import Digits
-
 from tests.fault_workloads import marker_path
 from tests.helpers import assert_states_close, job, load_model
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from raylastic.actors.faults import FaultInjector, FaultPlan, InjectedFault
 from raylastic.jobconfig import FaultConfig
 

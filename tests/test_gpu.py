@@ -18,12 +18,12 @@ import time
 import pytest
 import ray
 import torch
+
 from raylastic.actors.controller import RunFailed
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import NAMESPACE
 from raylastic.strategies.checkpoint import load_into
 from raylastic.strategies.process_group import choose_backend, choose_device
-
 from tests.conftest import REPO_ROOT
 from tests.helpers import assert_states_close, job, load_model
 

@@ -15,12 +15,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+
 from raylastic.strategies.base import memory_breakdown
 from raylastic.strategies.checkpoint_catalogue import complete_checkpoints
 from raylastic.strategies.peer_restore import plan_peer_restore
 from raylastic.strategies.process_group import leave_group
 from raylastic.strategies.shard_copy import gather_shards, keep_shards, load_full_state
-
 from tests.distributed_harness import run_distributed
 from tests.strategy_runs import restore_and_report, setup, train_and_report
 

@@ -17,7 +17,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from raylastic.cluster.job import train  # noqa: E402
-
 from tests.helpers import job, load_model  # noqa: E402
 from tests.hf_workload import TinyCausalLM  # noqa: E402
 

@@ -11,11 +11,11 @@ import sys
 import pytest
 import ray
 import torch
+
 from raylastic.actors.run_status import RunStatus
 from raylastic.cluster.job import train
 from raylastic.jobconfig import STRATEGIES, StrategyConfig
 from raylastic.jobconfig.naming import controller_name
-
 from tests.conftest import REPO_ROOT
 from tests.helpers import job, load_model
 from tests.process_imports import training_imports

@@ -18,10 +18,10 @@ import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import NAMESPACE, controller_name
 from raylastic.workloads.digits import Digits
-
 from tests.conftest import REPO_ROOT
 from tests.helpers import applied_samples, assert_states_close, job, load_model
 

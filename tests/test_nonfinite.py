@@ -12,13 +12,13 @@ import math
 
 import pytest
 import torch
+
 from raylastic.actors.controller import RunFailed
 from raylastic.actors.data_order import GlobalSampleOrder
 from raylastic.actors.step_loop import NonFiniteStep, StepRunner
 from raylastic.cluster.job import train
 from raylastic.jobconfig import OptimConfig
 from raylastic.strategies.ddp import DDPStrategy
-
 from tests.distributed_harness import run_distributed
 from tests.helpers import job, load_model
 from tests.nan_workload import poison_index_for

@@ -17,9 +17,9 @@ import time
 
 import pytest
 import ray
+
 from raylastic.jobconfig import FaultConfig
 from raylastic.strategies.peer_restore import ShardCopy, plan_peer_restore
-
 from tests.helpers import assert_states_close
 from tests.worker_actors import Workers, wait_while, workers_of
 

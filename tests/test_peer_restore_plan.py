@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from raylastic.strategies.peer_restore import PeerRestorePlan, ShardCopy, plan_peer_restore
 from raylastic.strategies.shard_copy import keep_shards
 from raylastic.strategies.shard_layout import ShardLayout, effective_replicas, row_bounds

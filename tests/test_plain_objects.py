@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+
 from raylastic.cluster.job import train
 from raylastic.strategies.plain_objects import all_gather_plain, broadcast_plain, dtype_name, dtype_of
-
 from tests.distributed_harness import run_distributed
 from tests.helpers import job
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from raylastic.actors.group_status import GroupStatus, LostWorker, MemberStatus
 from raylastic.actors.policies import (
     AllStopped,

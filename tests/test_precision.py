@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+
 from raylastic.actors.data_order import GlobalSampleOrder
 from raylastic.actors.step_loop import StepRunner
 from raylastic.cluster.job import train
@@ -27,7 +28,6 @@ from raylastic.strategies.checkpoint import Checkpointer, load_into
 from raylastic.strategies.ddp import DDPStrategy
 from raylastic.strategies.state_transfer import broadcast_training_state
 from raylastic.workloads.digits import Digits
-
 from tests.distributed_harness import run_distributed
 from tests.helpers import job
 

@@ -10,11 +10,11 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+
 from raylastic.actors.rendezvous import RPC_MARGIN_S, RayStore
 from raylastic.actors.rendezvous_keys import RendezvousKeys, beside_this_process
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.strategies.process_group import join_group, leave_group
-
 from tests.process_imports import training_imports
 
 pytestmark = pytest.mark.usefixtures("ray_local")

@@ -6,6 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from raylastic.jobconfig import JobConfig
 from raylastic.tuning.report import SweepResult
 from raylastic.tuning.search_space import DEFAULT_SEARCH_SPACE

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import ray
+
 from raylastic.actors.controller import RunFailed
 from raylastic.actors.run_status import RunStatus
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name, worker_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.checkpoint_manifest import read_manifest
-
 from tests.helpers import job, wait_until_gone
 
 pytestmark = pytest.mark.usefixtures("ray_local")

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+
 from raylastic.actors.events import RunLog
 
 

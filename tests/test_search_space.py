@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from raylastic.jobconfig import JobConfig, ScalingConfig, StrategyConfig
 from raylastic.tuning.search_space import (
     DEFAULT_SEARCH_SPACE,
@@ -124,6 +125,7 @@ def test_concurrent_trials_fit_the_cluster():
 ])
 def test_bad_sweep_arguments_fail_before_ray_starts(options, message):
     import ray
+
     from raylastic.tuning import sweep
 
     with pytest.raises(ValueError, match=message):

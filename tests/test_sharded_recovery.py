@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from raylastic.actors.controller import RunFailed
 from raylastic.cluster.job import train
-
 from tests.distributed_harness import run_distributed
 from tests.helpers import assert_states_close, job, load_model, sigkill_ranks_once
 from tests.strategy_runs import train_job_alone

@@ -5,9 +5,9 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from raylastic.cluster.tensorboard import TensorBoardLog
 from tensorboardX.proto import event_pb2
 
+from raylastic.cluster.tensorboard import TensorBoardLog
 from tests.helpers import run_status
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
+
 from raylastic.cluster.cli import main as cli_main
 from raylastic.workloads import load_workload
 from raylastic.workloads.gpt import TokenGPT
@@ -28,7 +30,6 @@ from raylastic.workloads.tokens import (
     stdlib_corpus_files,
     write_tokens,
 )
-from torch.utils.data import DataLoader
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEXTS = ["def f(x):\n    return x + 1  # naïve\n" * 40, "Größe → 大きさ, ünïcödé\n" * 30, "plain ascii tail\n" * 25]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import ray
+
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name, worker_name
-
 from tests.helpers import assert_states_close, job, load_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -54,6 +54,7 @@ def test_user_workload_from_outside_the_package_trains(tmp_path):
 
 def test_result_json_and_plain_model_file(tmp_path):
     import torch
+
     from raylastic.workloads.digits import Digits
 
     result, run_dir = run(tmp_path, "files", "training.steps=5")
@@ -69,7 +70,6 @@ def test_result_json_and_plain_model_file(tmp_path):
 
 def test_readme_main_job_survives_its_killed_worker_and_reaches_accuracy_and_runs_again(tmp_path):
     from raylastic.jobconfig import load_job_config
-
     from tests.conftest import REPO_ROOT
 
     config = load_job_config(REPO_ROOT / "examples" / "digits_elastic.yaml", ["scaling.cpus_per_worker=0.5"])
@@ -88,8 +88,8 @@ def test_export_command_writes_a_plain_state_dict_with_identical_outputs(tmp_pat
     import sys
 
     import torch
-    from raylastic.workloads.digits import Digits
 
+    from raylastic.workloads.digits import Digits
     from tests.conftest import REPO_ROOT
 
     result, run_dir = run(tmp_path, "export", "training.steps=5", "strategy.name=zero3")

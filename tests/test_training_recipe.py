@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from raylastic.actors.controller import RunFailed
 from raylastic.actors.recipe import learning_rate
 from raylastic.cluster.cli import main
 from raylastic.cluster.job import train
-
 from tests.helpers import assert_states_close, job, load_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import ray
 from ray import tune
+
 from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import controller_name, trial_run_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.tuning import EarlyStopping, SweepResult, sweep
-
 from tests.helpers import job
 
 pytestmark = pytest.mark.usefixtures("ray_local")

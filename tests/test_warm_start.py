@@ -12,10 +12,10 @@ import uuid
 import psutil
 import pytest
 import ray
+
 from raylastic.actors.warm_start import ProcessStart, WarmProcesses
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name
-
 from tests.conftest import REPO_ROOT
 from tests.helpers import job
 from tests.process_imports import training_imports

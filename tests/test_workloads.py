@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from raylastic.workloads import load_workload
 from raylastic.workloads.chargpt import CharGPT
 from raylastic.workloads.digits import Digits, read_digits, stratified_split

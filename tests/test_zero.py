@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from raylastic.strategies.checkpoint_catalogue import complete_checkpoints
 
+from raylastic.strategies.checkpoint_catalogue import complete_checkpoints
 from tests.distributed_harness import run_distributed as run_on_ranks
 from tests.strategy_runs import restore_and_report, train_and_report
 

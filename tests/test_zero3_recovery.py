@@ -32,12 +32,12 @@ import ray
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
 from raylastic.actors.run_status import RunStatus
 from raylastic.cluster.job import train
 from raylastic.strategies.base import TrainState, init_optimizer_state
 from raylastic.strategies.fsdp import FSDPStrategy
 from raylastic.strategies.process_group import leave_group
-
 from tests.distributed_harness import run_distributed
 from tests.helpers import assert_states_close, job, load_model
 

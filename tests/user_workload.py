@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from raylastic.workloads.digits import Digits
 from torch.utils.data import TensorDataset
+
+from raylastic.workloads.digits import Digits
 
 
 class Parity:

@@ -7,13 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
+
 from raylastic.actors.rendezvous_keys import RendezvousKeys, call_off_generation
 from raylastic.actors.worker_actor import JoinReport, TrainWorkerActor, WorkerSpec
 from raylastic.jobconfig import FaultConfig
 from raylastic.strategies.checkpoint import Checkpointer
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.strategies.peer_restore import plan_peer_restore
-
 from tests.helpers import job
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import pandas as pd
 from matplotlib.figure import Figure
+
 from raylastic.jobconfig import JobConfig
 from raylastic.tuning.search_space import Choice, Distribution, IntRange, LogUniform, SearchSpace
 from raylastic.tuning.trial import FINAL_STEP, JOBS_DIR

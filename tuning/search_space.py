@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from raylastic.jobconfig import JobConfig, job_config_from_dict
 
 NOT_TUNABLE = {

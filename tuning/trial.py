@@ -23,6 +23,7 @@ from typing import Any
 import ray
 from ray import tune
 from ray.tune import PlacementGroupFactory
+
 from raylastic.actors.placement import ReservedBundles
 from raylastic.actors.run_status import RunStatus
 from raylastic.cluster.job import CONTROLLER_END_S, STOP_TIMEOUT_S, train

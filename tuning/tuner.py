@@ -39,6 +39,7 @@ import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.optuna import OptunaSearch
+
 from raylastic.cluster.connect import ray_session
 from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import RUN_NAME_CHARACTERS, is_run_name, run_prefix, trial_run_name

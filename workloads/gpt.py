@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.data import Subset
+
 from raylastic.workloads.chargpt import GPT
 from raylastic.workloads.token_checks import DTYPES, TokenFileError
 from raylastic.workloads.tokens import TokenBlocks, stacked
-from torch.utils.data import Subset
 
 TOKENIZE_HINT = "make one with `raylastic tokenize DIR --stdlib` (or your own text files instead of --stdlib)"
 

@@ -30,8 +30,9 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
-from raylastic.workloads.token_checks import TokenFileError, check_token_file, numpy_dtype, out_of_vocabulary
 from torch.utils.data import Dataset
+
+from raylastic.workloads.token_checks import TokenFileError, check_token_file, numpy_dtype, out_of_vocabulary
 
 VOCAB_SIZE = 256  # the byte-level tokenizer: one token per byte
 READ_CHUNK_BYTES = 8 << 20  # prepare_corpus reads, decodes and writes files in pieces of this size

@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 import torch
+
 from raylastic.actors.async_ps.checkpoints import Cut, newest_complete, prune
 from raylastic.actors.async_ps.heartbeats import Heartbeats
 from raylastic.actors.async_ps.leases import Lease, StepReport

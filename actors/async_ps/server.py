@@ -38,6 +38,7 @@ from typing import Any
 import fsspec
 import ray
 import torch
+
 from raylastic.actors.async_ps.checkpoints import Cut, checkpoint_dir, server_file
 from raylastic.actors.async_ps.prediction import WeightPredictor
 from raylastic.actors.async_ps.saver import SaveFailure, ServerSaver, Snapshot

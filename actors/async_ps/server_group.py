@@ -23,6 +23,7 @@ from typing import Any
 import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from raylastic.actors.async_ps.checkpoints import Cut, clear_after
 from raylastic.actors.async_ps.heartbeats import Heard
 from raylastic.actors.async_ps.saver import SaveFailure

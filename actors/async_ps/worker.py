@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 import torch
+
 from raylastic.actors.allocator import keep_freed_memory
 from raylastic.actors.async_ps.leases import Lease, StepReport
 from raylastic.actors.batch_split import BatchSplit

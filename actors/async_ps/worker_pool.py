@@ -12,6 +12,7 @@ from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from raylastic.actors.async_ps.worker import AsyncWorkerActor, AsyncWorkerSpec
 from raylastic.actors.placement import ReservedBundles
 from raylastic.actors.warm_start import TRAINS

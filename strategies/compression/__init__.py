@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+
 from raylastic.jobconfig.strategy import COMPRESSIONS as COMPRESSION_KINDS
 from raylastic.jobconfig.strategy import Compression as CompressionKind
 from raylastic.strategies.compression.accounting import CommTraffic, HookState

@@ -15,6 +15,7 @@ unbiased enough in practice); bytes per bucket: numel + 4, ~4x less than float32
 
 import torch
 import torch.distributed as dist
+
 from raylastic.strategies.compression.accounting import HookState, all_gather_bytes, as_bytes, from_bytes
 
 INT8_LEVELS = 127

@@ -12,8 +12,9 @@ gradients as in Micikevicius et al. 2018, "Mixed Precision Training".
 
 import torch
 import torch.distributed as dist
-from raylastic.strategies.compression.accounting import HookState
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from raylastic.strategies.compression.accounting import HookState
 
 
 class LowPrecisionState(HookState):

@@ -18,8 +18,9 @@ Bytes per bucket: ceil(numel / 8) + 4, ~32x less than float32.
 
 import torch
 import torch.distributed as dist
-from raylastic.strategies.compression.accounting import ErrorFeedback, HookState, all_gather_bytes, as_bytes, from_bytes
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from raylastic.strategies.compression.accounting import ErrorFeedback, HookState, all_gather_bytes, as_bytes, from_bytes
 
 
 class OneBitState(HookState):

@@ -27,8 +27,9 @@ NCCL a collective's future is complete at enqueue, the callbacks run inline, and
 
 import torch
 import torch.distributed as dist
-from raylastic.strategies.compression.accounting import HookState
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+from raylastic.strategies.compression.accounting import HookState
 
 
 class PowerSGDHookState(HookState):

@@ -17,6 +17,7 @@ import math
 
 import torch
 import torch.distributed as dist
+
 from raylastic.strategies.compression.accounting import ErrorFeedback, HookState, all_gather_bytes, as_bytes, from_bytes
 
 
