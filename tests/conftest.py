@@ -23,6 +23,22 @@ def pytest_configure(config) -> None:
             compileall.compile_dir(REPO_ROOT / package, quiet=1)
 
 
+STARTS_RAY = frozenset({"ray_local", "local_ray", "head"})
+"""Fixtures that start a Ray instance: a test that uses one (directly or through another fixture) is no unit test."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark ``unit`` every test that starts no Ray, no process group (tests/distributed_harness.py) and no
+    processes of its own (the ``processes`` marker): ``pytest -m unit`` runs them in seconds."""
+    for item in items:
+        module_values = vars(item.module).values() if getattr(item, "module", None) else ()
+        process_groups = any(getattr(value, "__module__", None) == "tests.distributed_harness"
+                             and getattr(value, "__name__", None) == "run_distributed" for value in module_values)
+        if not (process_groups or item.get_closest_marker("processes")
+                or STARTS_RAY & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.unit)
+
+
 class LocalRay:
     """The local Ray of one test process (a pytest-xdist worker), shared by every module that uses ``ray_local``: a
     start and a stop cost ~6 s of CPU, and ~30 modules use it. A module that connects to a Ray of its own (a

@@ -4,7 +4,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from raylastic.actors.allocator import keep_freed_memory
+
+pytestmark = pytest.mark.processes
 
 CHURN = ("import sys; from raylastic.actors.allocator import keep_freed_memory; from tests.memory_churn import "
          "page_faults_per_round; applied = keep_freed_memory() if sys.argv[1] == 'keep' else None; "

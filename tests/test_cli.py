@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RAY_INIT_EXIT_CODE = 99
 # Equivalent to `python -m raylastic ARGS`, with ray.init replaced by an exit.

@@ -41,6 +41,8 @@ from tests.ray_head import (
     stop_head,
 )
 
+pytestmark = pytest.mark.processes
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXCLUDES = [".venv", ".git", "runs", "benchmarks/results", "*.egg-info", "**/__pycache__", ".pytest_cache",
             ".ruff_cache"]

@@ -6,7 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.processes
 
 IMPORT_EVERY_MODULE = """
 import importlib, pkgutil, sys
