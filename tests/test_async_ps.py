@@ -337,5 +337,7 @@ def test_async_settings_are_checked():
         load_job_config(None, ["faults=[{action: kill_server, rank: 0, step: 5}]"])
     with pytest.raises(ValueError, match="scaling.spare_workers is not supported with strategy.name=async_ps"):
         load_job_config(None, ["strategy.name=async_ps", "scaling.spare_workers=1"])
+    with pytest.raises(ValueError, match="data.num_workers is not supported with strategy.name=async_ps"):
+        load_job_config(None, ["strategy.name=async_ps", "data.num_workers=2"])  # was silently ignored
     with pytest.raises(ValueError, match="strategy.predict_weights.*true or false"):
         load_job_config(None, ["strategy.name=async_ps", "strategy.predict_weights=sometimes"])

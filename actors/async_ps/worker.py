@@ -29,7 +29,7 @@ from raylastic.actors.data_order import GlobalSampleOrder, micro_batch_count, mi
 from raylastic.actors.faults import fire, throttle_factor
 from raylastic.actors.recipe import clip_gradients
 from raylastic.actors.step_loop import NonFiniteStep, seed_rng, step_seed
-from raylastic.jobconfig import DataConfig, FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
+from raylastic.jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from raylastic.jobconfig.link import LinkConfig
 from raylastic.strategies.emulated_link import EmulatedLink
 from raylastic.strategies.process_group import choose_device
@@ -45,7 +45,6 @@ class AsyncWorkerSpec:
     workload: WorkloadConfig
     training: TrainingConfig
     optim: OptimConfig
-    data: DataConfig
     use_gpu: bool
     torch_threads: int
     server_timeout_s: float
