@@ -16,10 +16,9 @@ import importlib
 import os
 from typing import Any
 
-_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if not os.path.isdir(os.path.join(__path__[0], "actors")) and os.path.isfile(os.path.join(_CHECKOUT, "actors",
-                                                                                         "__init__.py")):
-    __path__.append(_CHECKOUT)
+_CHECKOUT = os.path.dirname(__path__[0])
+if not os.path.isdir(os.path.join(__path__[0], "actors")) and os.path.isdir(os.path.join(_CHECKOUT, "actors")):
+    __path__.append(_CHECKOUT)  # a checkout: the subpackages are the folders beside this one
 
 _EXPORTS = {
     **dict.fromkeys(["CheckpointConfig", "DataConfig", "EvalConfig", "FailureConfig", "JobConfig", "LinkConfig",
