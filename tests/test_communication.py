@@ -171,6 +171,7 @@ def test_fp16_precision_on_cpu_is_refused_with_a_clear_error():
     load_job_config(None, ["training.precision=bf16", "strategy.compression=fp16"])  # the fp16 comm hook is fine
 
 
+@pytest.mark.processes
 def test_cli_refuses_fp16_precision_on_cpu_before_starting_ray():
     done = subprocess.run([sys.executable, "-c", GUARDED_MAIN, "train", "--set", "training.precision=fp16"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,

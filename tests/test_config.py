@@ -319,6 +319,7 @@ def test_resolve_workload_class_finds_builtin_and_path(name):
     assert resolve_workload_class(name) is Digits
 
 
+@pytest.mark.processes
 def test_jobconfig_imports_no_other_layer():
     """Every layer imports jobconfig and it imports none of them, so no dependency points outward."""
     layers = {"cluster", "actors", "strategies", "tuning", "workloads"}

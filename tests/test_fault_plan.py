@@ -96,6 +96,7 @@ threading.Event().wait()
 """
 
 
+@pytest.mark.processes
 def test_a_stall_fired_off_the_main_thread_stops_that_thread_before_it_goes_on(tmp_path):
     """A SIGSTOP sent to the process is taken by its main thread: the thread that sent it ran on for a while,
     long enough for an async_ps worker to have its stalled step admitted. Five processes, none may go on."""

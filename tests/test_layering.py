@@ -24,6 +24,7 @@ CONTROLLER_SIDE = ("raylastic.actors.controller", "raylastic.actors.worker_actor
                    "raylastic.strategies.checkpoint_catalogue", "raylastic.strategies.group_assignment")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("module", CONTROLLER_SIDE)
 def test_the_controller_side_imports_no_torch(module):
     probe = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"

@@ -75,6 +75,7 @@ print(hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest(), "sk
 """
 
 
+@pytest.mark.processes
 def test_digits_split_is_the_same_in_every_process_and_imports_no_scikit_learn():
     x, y = Digits(split_seed=3).train_dataset().tensors
     here = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()
