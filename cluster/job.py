@@ -2,7 +2,7 @@
 
 Example::
 
-    from raylastic.cluster import JobConfig, train
+    from raylastic import JobConfig, train
     result = train(JobConfig(), run_dir="runs/digits")
     print(result.final_step, result.metrics["accuracy"])
 

@@ -3,6 +3,7 @@ there (none reaches for the repository's folders by their own names)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -27,9 +28,11 @@ print(len(modules), raylastic.train.__module__, raylastic.sweep.__module__)
 
 
 def test_an_installed_package_is_raylastic_alone_and_every_module_imports_from_it(tmp_path):
-    target = tmp_path / "site"
+    source, target = tmp_path / "source", tmp_path / "site"  # a copy: setuptools writes build/ into its source
+    shutil.copytree(REPO_ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "runs", "data", "*.egg-info",
+                                                                      "__pycache__", "benchmarks", "tests"))
     built = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                            "--target", str(target), str(REPO_ROOT)], capture_output=True, text=True, timeout=300)
+                            "--target", str(target), str(source)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr
     assert {path.name for path in target.iterdir()} - {"bin"} == {"raylastic", "raylastic-0.1.0.dist-info"}
     # Run from outside the checkout, the installed copy first on the path: the repository's folders are not found.

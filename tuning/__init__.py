@@ -2,8 +2,7 @@
 
 Example::
 
-    from raylastic.cluster import JobConfig
-    from raylastic.tuning import sweep
+    from raylastic import JobConfig, sweep
     result = sweep(JobConfig(), {"optim.lr": {"loguniform": [1e-4, 1e-1]}}, num_samples=8,
                    metric="accuracy", mode="max", name="digits-lr")
     result.dataframe, result.best_config, result.plots("plots")

@@ -3,8 +3,7 @@
 Each trial is a whole Raylastic job (its own Controller and workers, its own fault tolerance)
 placed in a placement group the trial reserves (``tuning.trial``). Example::
 
-    from raylastic.cluster import JobConfig, TrainingConfig
-    from raylastic.tuning import sweep
+    from raylastic import JobConfig, TrainingConfig, sweep
     result = sweep(JobConfig(training=TrainingConfig(steps=60)),
                    {"optim.lr": {"loguniform": [1e-4, 1e-1]}, "training.global_batch_size": {"choice": [32, 128]}},
                    num_samples=8, metric="accuracy", mode="max", name="digits-lr")
