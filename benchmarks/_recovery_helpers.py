@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raylastic.actors import warm_start
+from raylastic.actors.processes import setup_hook
 
 RAY_TRAIN_FACTS = {  # paths under the installed ray package (2.60), for what the JSON reports about Ray Train
     "elastic_resize_monitor_interval_s": "ray/train/v2/api/config.py:102 ScalingConfig.elastic_resize_monitor_"
@@ -58,7 +58,7 @@ def ray_train_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from raylastic.actors.data_order import GlobalSampleOrder
+    from raylastic.actors.data.order import GlobalSampleOrder
     from raylastic.workloads.digits import Digits
 
     torch.set_num_threads(1)  # as our workers with cpus_per_worker=1
@@ -121,7 +121,7 @@ class Blocker:
 class StartupProbe:
     """What a new TrainWorker pays before it can train, phase by phase: time.time() marks taken in order.
 
-    Its process is one Ray started for the job, so the job's setup hook (actors/warm_start.py) imported torch
+    Its process is one Ray started for the job, so the job's setup hook (actors/processes/setup_hook.py) imported torch
     and the worker's modules in it first: just before the probe was asked for (a cold start), or earlier (a
     warm process). It then runs TrainWorker's constructor (workload and data, strategy) and its first join, into
     a group of its own (world size 1): a gc collection, the rendezvous, the model and the optimizer (a DDP too
@@ -131,8 +131,8 @@ class StartupProbe:
     def __init__(self, job_overrides: list[str], store: object) -> None:
         """``store``: a ready RendezvousKeys actor, made before the probe is asked for, as the Controller's is."""
         marks = {"constructor": time.time()}
-        from raylastic.actors.worker import TrainWorker
-        from raylastic.actors.worker_actor import WorkerSpec
+        from raylastic.actors.worker.actor import WorkerSpec
+        from raylastic.actors.worker.train_worker import TrainWorker
         from raylastic.jobconfig import load_job_config
         from raylastic.strategies.checkpoint import Checkpointer
         from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
@@ -145,10 +145,10 @@ class StartupProbe:
         worker.join(GroupAssignment(generation=0, rank=0, world_size=1, store=store, store_prefix=new_store_prefix(),
                                     timeout_s=30))
         marks["first_join"] = time.time()
-        self.marks, self.imported = marks, warm_start.imported
+        self.marks, self.imported = marks, setup_hook.imported
         self._alive = (worker, store)  # the group's store lives as long as the probe
 
-    def timings(self) -> tuple[dict[str, float], warm_start.ImportTimes | None]:
+    def timings(self) -> tuple[dict[str, float], setup_hook.ImportTimes | None]:
         return self.marks, self.imported
 
 

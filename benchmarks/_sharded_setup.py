@@ -1,5 +1,5 @@
 """What benchmarks/memory.py and benchmarks/checkpoint.py share: a strategy set up on the chargpt GPT
-in the current gloo group (as actors/worker.py does it, without Ray), and the machine description."""
+in the current gloo group (as actors/worker/train_worker.py does it, without Ray), and the machine description."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from raylastic.actors.data_order import GlobalSampleOrder
-from raylastic.actors.recipe import optimizer_factory
-from raylastic.actors.step_loop import StepRunner
+from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.worker.optimizer_recipe import optimizer_factory
+from raylastic.actors.worker.step import StepRunner
 from raylastic.jobconfig import OptimConfig, StrategyConfig
 from raylastic.strategies.base import GroupContext, Strategy, TrainState
 from raylastic.strategies.build import build_strategy

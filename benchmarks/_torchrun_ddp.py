@@ -4,12 +4,12 @@ It reads the same job config as the Raylastic side (``--job``: ``JobConfig.to_di
 and trains the same workload with the same recipe: model seed, global sample order and batch split,
 optimizer (the workload's ``configure_optimizer``, else AdamW), lr schedule, gradient clipping,
 precision (bf16: CPU autocast) and loss scaling, with the dropout RNG seeded per step as a Raylastic
-step seeds it (``actors.step_loop.step_seed``: ~3 us), so that both sides compute the same result.
+step seeds it (``actors.worker.step.step_seed``: ~3 us), so that both sides compute the same result.
 Nothing else: no metrics all-reduce, no actor, no loop thread; rank 0 logs ``loss.item()`` of its own
 slice and times every step. A ``TensorDataset`` is indexed in memory, one indexing per step; any other
 dataset (the gpt workload's memory-mapped ``TokenBlocks``) goes through a torch DataLoader with a batch
 sampler of this rank's slices. ``--throttle RANK:FACTOR`` slows one rank down as ours' ``throttle`` fault does
-(actors/step_loop.py, for benchmarks/balance.py): before each of its steps, that rank sleeps (FACTOR - 1) x
+(actors/worker/step.py, for benchmarks/balance.py): before each of its steps, that rank sleeps (FACTOR - 1) x
 its previous step's compute, timed by the same ``ComputeClock`` (from the step's start to its last local
 gradient, so without the wait for its peers). Run by throughput.py as::
 
@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler, TensorDataset, default_collate
 
-from raylastic.actors.compute_clock import ComputeClock
-from raylastic.actors.data_order import GlobalSampleOrder
-from raylastic.actors.recipe import learning_rate
-from raylastic.actors.step_loop import step_seed
+from raylastic.actors.data.compute_clock import ComputeClock
+from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.worker.optimizer_recipe import learning_rate
+from raylastic.actors.worker.step import step_seed
 from raylastic.jobconfig import JobConfig, job_config_from_dict
 from raylastic.workloads import load_workload
 

@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from benchmarks.common import RESULTS, alternated, code_version, machine_info
 from benchmarks.throughput import WARMUP_FRACTION, measure_ours, run_torchrun
-from raylastic.actors.run_status import RunResult
+from raylastic.actors.status.run import RunResult
 from raylastic.cluster.connect import ray_session
 from raylastic.jobconfig import job_config_from_dict
 

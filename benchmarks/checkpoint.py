@@ -21,7 +21,7 @@ state must equal the saved state's. Rounds alternate which format goes first; me
 
 Async save (zero3, ~10M-parameter GPT n_layer=6, n_head=8, n_embd=384, block_size=64, N = 2,
 global batch 2: a short step, so the save weighs more): the wall time of one checkpoint period, 8
-steps with a save after step 4 (none / sync / async, on its own gloo group as in actors/worker.py)
+steps with a save after step 4 (none / sync / async, on its own gloo group as in actors/worker/train_worker.py)
 and then the wait for that save, so an async save that is not done by the period's end is paid
 for. The three modes take turns in a rotating order; each period's overhead is against the "none"
 period of the same turn (the machine's load drifts); medians. save_call_s: time the training

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from benchmarks.common import REPO_ROOT, RESULTS, alternated, machine_info
-from raylastic.actors.run_status import RunResult
+from raylastic.actors.status.run import RunResult
 from raylastic.cluster.connect import ray_session
 from raylastic.cluster.job import train
 from raylastic.jobconfig import load_job_config

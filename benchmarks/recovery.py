@@ -22,7 +22,7 @@ a replacement worker; at K=25 the warm process started after the workers' constr
 importing), the same killed at a later step (the replacement is constructed in the warm process) and
 min=max=2 with a warm spare (``scaling.spare_workers=1``; killed at that later step, once the spare is
 built). Ours runs with the job's runtime environment as ``raylastic train`` sets it (the setup hook of
-actors/warm_start.py), Ray Train with a plain one. One local Ray instance
+actors/processes/setup_hook.py), Ray Train with a plain one. One local Ray instance
 per side per round (Ray Train's 2 CPUs; ours 3, the third held by a blocker except for the spare's
 runs); the side that goes first alternates; then the drain on its own cluster; medians over rounds.
 Run from the repository root (3 minutes a round on 2 quiet cores, 5 on busy ones)::
@@ -55,10 +55,10 @@ import torch
 from benchmarks import _recovery_changes as changes
 from benchmarks import _recovery_helpers as helpers
 from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray
-from raylastic.actors.controller import RunFailed
-from raylastic.actors.rendezvous_keys import RendezvousKeys, beside_this_process
-from raylastic.actors.run_status import Event
-from raylastic.actors.warm_start import WarmProcesses
+from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.processes.setup_hook import WarmProcesses
+from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process
+from raylastic.actors.status.run import Event
 from raylastic.jobconfig import load_job_config
 from raylastic.jobconfig.naming import worker_name
 
@@ -327,10 +327,11 @@ def describe(args: argparse.Namespace) -> dict[str, dict]:
         "startup": "a new worker until it can train, on the idle instance, the scale-up runs' job "
                    "(benchmarks/_recovery_helpers.py StartupProbe), in a process Ray starts for it (a runtime "
                    "environment of its own): process_start_s to the job's setup hook starting; "
-                   "setup_hook_imports_s (torch, torch._dynamo, actors.worker); to_constructor_s (Ray loading the "
-                   "probe's class); construct_worker_s (TrainWorker's constructor: workload and data, strategy); "
+                   "setup_hook_imports_s (torch, torch._dynamo, actors.worker.train_worker); "
+                   "to_constructor_s (Ray loading the probe's class); construct_worker_s (TrainWorker's constructor: "
+                   "workload and data, strategy); "
                    "first_join_s (its first join, into a group of its own: gc, rendezvous, model and optimizer)",
-        "startup_warm": "the same in a process started ahead (actors/warm_start.py WarmProcesses, given "
+        "startup_warm": "the same in a process started ahead (actors/processes/setup_hook.py WarmProcesses, given "
                         f"{WARM_PROCESS_GRACE_S:.0f} s to import): to_constructor_s from asking for the probe",
         "timeline": "[seconds since the kill (failures; steps from K-25), since resources appeared (scale-up) or "
                     "since the notice (drain), step(, world)]"}

@@ -5,7 +5,7 @@ checkpoint group with ``dist.new_group``), leave it, and form the next generatio
 
 - tcp: a ``torch.distributed.TCPStore`` hosted by the driver (as the Controller hosted it), one port, no
   authentication;
-- ray: a ``RayStore`` over the run's ``RendezvousKeys`` actor (actors/rendezvous.py), every operation a Ray
+- ray: a ``RayStore`` over the run's ``RendezvousKeys`` actor (actors/rendezvous/store.py), every operation a Ray
   call over Ray's authenticated channel.
 
 A formation's time is the driver's, from sending every rank its assignment to the last rank's return;
@@ -31,8 +31,8 @@ import ray
 import torch.distributed as dist
 
 from benchmarks.common import RESULTS, alternated, machine_info
-from raylastic.actors.rendezvous import RayStore
-from raylastic.actors.rendezvous_keys import RendezvousKeys
+from raylastic.actors.rendezvous.keys import RendezvousKeys
+from raylastic.actors.rendezvous.store import RayStore
 from raylastic.cluster.connect import ray_session
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.strategies.process_group import join_group, leave_group

@@ -5,10 +5,10 @@ benchmarks/throughput.py compares whole runs, whose ratio swings by +-10% from r
 picture) in two ways:
 
 - **pieces** (one process, 1 torch thread): microseconds per call of each thing our step does that the
-  peer's step does differently or not at all: the grad-norm and clipping (actors.recipe.clip_gradients vs
-  torch's clip_grad_norm_, vs not clipping), the per-micro-batch RNG seed (actors.step_loop.seed_rng), the
-  lr setting, the DataLoader fetch of a batch (actors.batches.planned_batches) vs indexing the dataset, and
-  the step's forward/backward/optimizer for scale.
+  peer's step does differently or not at all: the grad-norm and clipping
+  (actors.worker.optimizer_recipe.clip_gradients vs torch's clip_grad_norm_, vs not clipping), the
+  per-micro-batch RNG seed (actors.worker.step.seed_rng), the lr setting, the DataLoader fetch of a batch
+  (actors.data.batches.planned_batches) vs indexing the dataset, and the step's forward/backward/optimizer for scale.
 - **steps** (2 ranks, gloo, 1 torch thread each, each variant its own model, variants alternating every
   round and the order flipping): the peer's step (benchmarks/_torchrun_ddp.py PlainDDP.step), our
   StepRunner.run, and StepRunner.run with the stop vote as TrainWorker runs them (a vote every step at this
@@ -44,23 +44,23 @@ import torch.distributed as dist
 from benchmarks._torchrun_ddp import PlainDDP, step_batches
 from benchmarks.common import RESULTS, alternated, machine_info
 from benchmarks.throughput import job_sections
-from raylastic.actors import step_loop
-from raylastic.actors.batch_split import BatchSplit
-from raylastic.actors.batches import planned_batches, to_device
-from raylastic.actors.data_order import GlobalSampleOrder
-from raylastic.actors.recipe import clip_gradients, learning_rate, optimizer_factory, set_learning_rate
-from raylastic.actors.step_loop import StepRunner, seed_rng, step_seed
-from raylastic.actors.stop_vote import StopVote
+from raylastic.actors.data.batch_split import BatchSplit
+from raylastic.actors.data.batches import planned_batches, to_device
+from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.worker import step as step_module
+from raylastic.actors.worker.optimizer_recipe import clip_gradients, learning_rate, optimizer_factory, set_learning_rate
+from raylastic.actors.worker.step import StepRunner, seed_rng, step_seed
+from raylastic.actors.worker.stop_vote import StopVote
 from raylastic.jobconfig import job_config_from_dict
 from raylastic.strategies.ddp import DDPStrategy
 from raylastic.workloads import load_workload
 from tests.distributed_harness import run_distributed
 
 VARIANTS = ("peer", "steprunner", "+vote", "-norm", "-seed", "-loader")
-"""peer: benchmarks/_torchrun_ddp.py's step; steprunner: ours (actors.step_loop.StepRunner.run); +vote: ours
+"""peer: benchmarks/_torchrun_ddp.py's step; steprunner: ours (actors.worker.step.StepRunner.run); +vote: ours
 with the stop vote; -norm, -seed, -loader: ours with one piece as the peer has it: torch's clip_grad_norm_
 only when clipping (no norm when not), no per-micro-batch RNG seed, the peer's batches instead of our
-DataLoader (actors.batches.planned_batches)."""
+DataLoader (actors.data.batches.planned_batches)."""
 MEASURES = ("wall", "thread_cpu", "process_cpu")
 GLOBAL_BATCH = 64
 WARMUP_STEPS = 10
@@ -101,7 +101,7 @@ def make_step(variant: str, sections: dict) -> Callable[[int], None]:
     if variant in ("steprunner", "-loader"):
         return lambda k: runner.run(state, k, batches)
     if variant in ("-norm", "-seed"):
-        return _with_step_loop_globals(lambda k: runner.run(state, k, batches), ABLATIONS[variant])
+        return _with_step_module_globals(lambda k: runner.run(state, k, batches), ABLATIONS[variant])
     vote = StopVote(first_step=0, device=device)
 
     def voting_step(k: int) -> None:  # TrainingLoop._steps without its bookkeeping
@@ -123,21 +123,21 @@ def _peer_clipping(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
 
 ABLATIONS: dict[str, dict[str, Callable]] = {"-norm": {"clip_gradients": _peer_clipping},
                                               "-seed": {"seed_rng": lambda seed, device: None}}
-"""What a variant replaces among the functions actors.step_loop's StepRunner.run calls."""
+"""What a variant replaces among the functions actors.worker.step's StepRunner.run calls."""
 
 
-def _with_step_loop_globals(step: Callable[[int], None], replacements: dict[str, Callable]) -> Callable[[int], None]:
-    """``step`` run with some of actors.step_loop's functions replaced (only while it runs: variants alternate)."""
+def _with_step_module_globals(step: Callable[[int], None], replacements: dict[str, Callable]) -> Callable[[int], None]:
+    """``step`` run with some of actors.worker.step's functions replaced (only while it runs: variants alternate)."""
 
     def run(k: int) -> None:
-        saved = {name: getattr(step_loop, name) for name in replacements}
+        saved = {name: getattr(step_module, name) for name in replacements}
         for name, value in replacements.items():
-            setattr(step_loop, name, value)
+            setattr(step_module, name, value)
         try:
             step(k)
         finally:
             for name, value in saved.items():
-                setattr(step_loop, name, value)
+                setattr(step_module, name, value)
 
     return run
 

@@ -21,7 +21,7 @@ repository root (about 12 minutes on 2 cores)::
     python -m benchmarks.throughput --workloads gpt digits --rounds 6
     python -m benchmarks.throughput --rounds 3 --peer-allocator ours  # the peer keeps freed memory too
 
-Our workers fix glibc's malloc thresholds (actors/allocator.py); torchrun's ranks run with glibc's
+Our workers fix glibc's malloc thresholds (actors/processes/allocator.py); torchrun's ranks run with glibc's
 defaults, as a torchrun user gets them, unless ``--peer-allocator ours`` gives them the same thresholds.
 
 Writes benchmarks/results/throughput.json and throughput.png (throughput_same_allocator.* with
@@ -50,8 +50,8 @@ import torch
 
 from benchmarks._cpu_meter import CpuMeter, Measurement, descendants
 from benchmarks.common import REPO_ROOT, RESULTS, alternated, machine_info
-from raylastic.actors.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
-from raylastic.actors.run_status import RunResult
+from raylastic.actors.processes.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
+from raylastic.actors.status.run import RunResult
 from raylastic.cluster.connect import ray_session
 from raylastic.cluster.job import train
 from raylastic.jobconfig import JobConfig, job_config_from_dict
@@ -67,8 +67,9 @@ leave a run's figure to whatever the shared machine did in those few seconds."""
 GOAL_RATIO = 0.98
 PEER_ALLOCATORS = {"glibc": {}, "ours": {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
                                          "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}}
-"""The peer ranks' extra environment per --peer-allocator: glibc's defaults, or actors/allocator.py's thresholds."""
-PEER_ALLOCATOR_TEXT = {"glibc": "glibc's defaults", "ours": "actors/allocator.py's, as our workers set them"}
+"""The peer ranks' extra environment per --peer-allocator: glibc's defaults, or actors/processes/allocator.py's
+thresholds."""
+PEER_ALLOCATOR_TEXT = {"glibc": "glibc's defaults", "ours": "actors/processes/allocator.py's, as our workers set them"}
 PEER_EXIT_GRACE_S = 30.0
 GPT_CORPUS_FILES = 110
 """The first 110 files of workloads.tokens.stdlib_corpus_files(): ~2 MB, ~1.8 M train tokens, tokenized in ~1 s."""
@@ -287,8 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--global-batch-size", type=int, default=64)
     parser.add_argument("--peer-allocator", choices=PEER_ALLOCATORS, default="glibc",
                         help="the torchrun ranks' malloc thresholds: glibc's defaults, as a torchrun user gets them "
-                             "(writes throughput.json), or ours, as actors/allocator.py sets them in our workers "
-                             "(writes throughput_same_allocator.json)")
+                             "(writes throughput.json), or ours, as actors/processes/allocator.py sets them in our "
+                             "workers (writes throughput_same_allocator.json)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or (args.steps is not None and args.steps < 5) or args.global_batch_size < NUM_WORKERS:
         parser.error("need --rounds >= 1, --steps >= 5 and --global-batch-size >= 2")
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
             "warmup_fraction": WARMUP_FRACTION,
             "ours": "cluster.job.train, 2 workers x 1 CPU (1 torch thread), checkpoint only at the end; times "
                     "are the workers' step-commit wall clocks from RunResult.history; one Ray for all rounds "
-                    "(its long polls: actors/worker_group.py LONG_POLL_S, cluster/job.py PROGRESS_WAIT_S)",
+                    "(its long polls: actors/worker_group/group.py LONG_POLL_S, cluster/job.py PROGRESS_WAIT_S)",
             "torchrun": "benchmarks/_torchrun_ddp.py, reading the same job config: DDP(gloo, 25 MiB buckets), "
                         "same seed, GlobalSampleOrder, optimizer, lr schedule, clipping, precision, per-step dropout "
                         "seed and loss scaling; TensorDatasets indexed in memory, gpt's TokenBlocks through a torch "

@@ -32,7 +32,7 @@ def job_runtime_env(*paths: str) -> dict:
     """The runtime environment of a job this process starts: workers import user workloads
     ("mypkg.model:Name") from ``paths`` (default: where the user ran the command), placed after the
     standard library (cluster/import_path.py), and every process Ray starts for the job imports the
-    training modules first (actors/warm_start.py). This process's PYTHONPATH goes with it, less ``paths``."""
+    training modules first (actors/processes/setup_hook.py). This process's PYTHONPATH goes with it, less ``paths``."""
     directories = [os.path.abspath(path) for path in (paths or (os.getcwd(),))]
     inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                  if entry and os.path.abspath(entry) not in directories]
@@ -60,7 +60,7 @@ def ray_session(address: str | None = None, *, min_cpus: float = 0.0) -> Iterato
         # "local": a new instance even if `ray start` left one on this machine (ray.init's default
         # would connect to that one, and then refuses num_cpus).
         # worker_niceness 0: Ray's workers (ours: the training ranks) at normal CPU priority, without
-        # root; see actors/priority.py.
+        # root; see actors/processes/priority.py.
         # Reachable from this machine only: Ray's services, gloo and NCCL on loopback (cluster/loopback.py).
         options["runtime_env"]["env_vars"].update(loopback_interfaces())
         with loopback_node():

@@ -59,12 +59,12 @@ def set_up_job_process() -> None:
     """The job's setup hook, run by every process Ray starts for the job before it takes work: the directories
     of ``RAYLASTIC_IMPORT_PATH`` after the standard library, kept there by StandardLibraryFirst when Ray puts the
     driver's directory back at the head at the first task; then the training modules imported ahead
-    (actors/warm_start.py)."""
+    (actors/processes/setup_hook.py)."""
     directories = [entry for entry in os.environ.get(IMPORT_PATH_VARIABLE, "").split(os.pathsep) if entry]
     if directories:
         use_import_path(directories)
         sys.meta_path.insert(0, StandardLibraryFirst(directories))
-    from raylastic.actors.warm_start import (
+    from raylastic.actors.processes.setup_hook import (
         import_training_modules,  # torch and the rest, imported with the path in order
     )
 

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from raylastic.actors.run_status import Event, RunStatus
+from raylastic.actors.status.run import Event, RunStatus
 
 EVENT_STYLES = {"worker_failed": "bold red", "recovered": "bold green", "generation_formed": "cyan",
                 "checkpointed": "dim", "checkpoint_failed": "bold yellow", "resumed": "yellow", "finished": "bold"}

@@ -30,8 +30,8 @@ from typing import Any
 import fsspec
 import torch
 
-from raylastic.actors.controller import RunFailed
-from raylastic.actors.run_status import Event, RunResult, RunStatus
+from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.status.run import Event, RunResult, RunStatus
 from raylastic.cluster.tracking import RunEnd
 from raylastic.jobconfig import JobConfig
 

@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from raylastic.actors.run_status import RunStatus
+from raylastic.actors.status.run import RunStatus
 from raylastic.jobconfig.naming import NAMESPACE, controller_name, run_of_controller, run_prefix
 
 RECENT_EVENTS = 10

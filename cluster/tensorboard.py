@@ -17,7 +17,7 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
-from raylastic.actors.run_status import RunStatus
+from raylastic.actors.status.run import RunStatus
 
 SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "world_size", "bytes_sent", "comm_s", "exposed_comm_s", "step_s")
 

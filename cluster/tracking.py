@@ -38,7 +38,7 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 from urllib.request import pathname2url
 
-from raylastic.actors.run_status import RunStatus
+from raylastic.actors.status.run import RunStatus
 from raylastic.jobconfig import JobConfig, TrackingConfig
 
 RunEnd = Literal["finished", "failed", "stopped"]

@@ -34,7 +34,7 @@ class ScalingConfig:
     start. Costs an idle process (~330 MB) per node."""
     balance: Literal["off", "auto"] = "auto"
     """auto: each rank's share of the global batch follows its measured speed (same gradient; see
-    actors/balance.py), changed only when that predicts a step at least 10% shorter, so equal ranks keep
+    actors/data/balance.py), changed only when that predicts a step at least 10% shorter, so equal ranks keep
     equal shares; off: equal shares always."""
     straggler_factor: float = 4.0
     """A rank's share never drops below the even share over this factor; a rank held there whose compute still

@@ -25,7 +25,7 @@ _EXPORTS = {
                      "OptimConfig", "ScalingConfig", "StrategyConfig", "TrackingConfig", "TrainingConfig",
                      "WorkloadConfig", "load_job_config"], "raylastic.jobconfig"),
     "train": "raylastic.cluster.job", "job_runtime_env": "raylastic.cluster.connect",
-    **dict.fromkeys(["RunResult", "RunFailed"], "raylastic.actors.run_status"),
+    **dict.fromkeys(["RunResult", "RunFailed"], "raylastic.actors.status.run"),
     **dict.fromkeys(["sweep", "SweepResult", "SearchSpace"], "raylastic.tuning"),
 }
 __all__ = sorted(_EXPORTS)

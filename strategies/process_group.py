@@ -1,7 +1,7 @@
 """One torch.distributed process group per generation, rendezvoused through the run's store.
 
 The run has one rendezvous store (a ``RayStore`` over the Controller's ``RendezvousKeys`` actor,
-actors/rendezvous.py: no port of its own, every operation over Ray's authenticated channel);
+actors/rendezvous/store.py: no port of its own, every operation over Ray's authenticated channel);
 generation g's group uses the key prefix ``<store_prefix>/generation/g`` of it, so survivors can
 leave a broken group and join the next one in the same process. ``store_prefix`` is random per run.
 

@@ -13,8 +13,8 @@ from typing import Any
 import ray
 import torch
 
-from raylastic.actors.data_order import GlobalSampleOrder
-from raylastic.actors.run_status import Event, RunStatus
+from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.status.run import Event, RunStatus
 from raylastic.jobconfig import load_job_config
 from tests.ray_head import process_start_time
 

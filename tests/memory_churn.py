@@ -3,7 +3,7 @@
 Each round allocates and touches 30 tensors of 256 KiB to 4 MiB (about 50 MiB) and frees them all, as a
 step does with its activations. In a secondary thread's glibc arena with glibc's default thresholds the
 heap top is returned to the kernel after every round and faulted back in the next (thousands of minor
-faults a round); with actors.allocator.keep_freed_memory the heap is reused (next to none).
+faults a round); with actors.processes.allocator.keep_freed_memory the heap is reused (next to none).
 """
 
 from __future__ import annotations

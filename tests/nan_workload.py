@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
-from raylastic.actors.data_order import GlobalSampleOrder
+from raylastic.actors.data.order import GlobalSampleOrder
 
 
 class PoisonedDigits:

@@ -8,7 +8,7 @@ import sys
 
 def training_imports(_actor: object) -> dict:
     """Whether the job's setup hook imported the training modules here, and whether torch is imported at all."""
-    warm_start = sys.modules.get("raylastic.actors.warm_start")
+    warm_start = sys.modules.get("raylastic.actors.processes.setup_hook")
     return {"imported": warm_start is not None and warm_start.imported is not None, "torch": "torch" in sys.modules,
             "dynamo": "torch._dynamo" in sys.modules}
 

@@ -12,10 +12,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from raylastic.actors.data_order import GlobalSampleOrder
-from raylastic.actors.evaluation import Evaluator
-from raylastic.actors.recipe import optimizer_factory
-from raylastic.actors.step_loop import StepRunner
+from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.worker.evaluation import Evaluator
+from raylastic.actors.worker.optimizer_recipe import optimizer_factory
+from raylastic.actors.worker.step import StepRunner
 from raylastic.jobconfig import OptimConfig, StrategyConfig
 from raylastic.strategies.build import build_strategy
 from tests.helpers import step_indices

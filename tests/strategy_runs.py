@@ -8,10 +8,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raylastic.actors.batch_split import BatchSplit
-from raylastic.actors.data_order import GlobalSampleOrder
-from raylastic.actors.recipe import optimizer_factory
-from raylastic.actors.step_loop import StepRunner
+from raylastic.actors.data.batch_split import BatchSplit
+from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.worker.optimizer_recipe import optimizer_factory
+from raylastic.actors.worker.step import StepRunner
 from raylastic.jobconfig import OptimConfig, StrategyConfig
 from raylastic.strategies.base import GroupContext, init_optimizer_state
 from raylastic.strategies.build import build_strategy

@@ -1,4 +1,4 @@
-"""actors.allocator: a training thread's freed memory is reused, not faulted back in every step."""
+"""actors.processes.allocator: a training thread's freed memory is reused, not faulted back in every step."""
 
 import os
 import subprocess
@@ -6,12 +6,13 @@ import sys
 
 import pytest
 
-from raylastic.actors.allocator import keep_freed_memory
+from raylastic.actors.processes.allocator import keep_freed_memory
 
 pytestmark = pytest.mark.processes
 
-CHURN = ("import sys; from raylastic.actors.allocator import keep_freed_memory; from tests.memory_churn import "
-         "page_faults_per_round; applied = keep_freed_memory() if sys.argv[1] == 'keep' else None; "
+CHURN = ("import sys; from raylastic.actors.processes.allocator import keep_freed_memory; "
+         "from tests.memory_churn import page_faults_per_round; "
+         "applied = keep_freed_memory() if sys.argv[1] == 'keep' else None; "
          "print(applied, page_faults_per_round())")
 
 

@@ -14,8 +14,8 @@ from raylastic.actors.async_ps.prediction import STALENESS_AVERAGING, WeightPred
 from raylastic.actors.async_ps.server import ParameterServer, ServerFailed, ServerSpec
 from raylastic.actors.async_ps.shards import assign_parameters
 from raylastic.actors.async_ps.tickets import TicketBook
-from raylastic.actors.data_order import GlobalSampleOrder
-from raylastic.actors.recipe import learning_rate, optimizer_factory, set_learning_rate
+from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_factory, set_learning_rate
 from raylastic.cluster.job import train
 from raylastic.jobconfig import OptimConfig, TrainingConfig, WorkloadConfig, load_job_config
 from raylastic.workloads import load_workload

@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from raylastic.actors.balance import (
+from raylastic.actors.data.balance import (
     DECISION_VOTES,
     REBALANCE_GAIN,
     STRAGGLER_DECISIONS,
@@ -20,8 +20,8 @@ from raylastic.actors.balance import (
     predicted_step_s,
     proportional_sizes,
 )
-from raylastic.actors.batch_split import BatchSplit
-from raylastic.actors.data_order import GlobalSampleOrder
+from raylastic.actors.data.batch_split import BatchSplit
+from raylastic.actors.data.order import GlobalSampleOrder
 from tests.distributed_harness import run_distributed as run_on_ranks
 from tests.strategy_runs import GLOBAL_BATCH, train_and_report
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from raylastic.actors.run_status import RunStatus
+from raylastic.actors.status.run import RunStatus
 from raylastic.strategies.checkpoint import Checkpointer, CheckpointLoadError, load_into
 from raylastic.strategies.checkpoint_catalogue import complete_checkpoints, newest_loadable
 from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, read_manifest, verify
@@ -252,7 +252,7 @@ def make_read_only(root: Path) -> None:
 @pytest.mark.parametrize(("block", "cause"), [(block_with_a_file, "NotADirectoryError"),
                                               (make_read_only, "PermissionError")])
 def test_a_checkpoint_path_that_stops_taking_files_mid_run_ends_it_naming_path_and_cause(tmp_path, block, cause):
-    from raylastic.actors.controller import RunFailed
+    from raylastic.actors.controller.controller import RunFailed
     from raylastic.cluster.job import train
     from tests.helpers import job
 

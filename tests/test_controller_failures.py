@@ -11,9 +11,8 @@ import time
 
 import pytest
 
-from raylastic.actors.controller import Controller, RunFailed
-from raylastic.actors.group_status import LostWorker
-from raylastic.actors.run_states import (
+from raylastic.actors.controller.controller import Controller, RunFailed
+from raylastic.actors.controller.states import (
     Failed,
     Finished,
     Finishing,
@@ -25,7 +24,8 @@ from raylastic.actors.run_states import (
     Stopped,
     WaitingForWorkers,
 )
-from raylastic.actors.worker_group import MemberRaised
+from raylastic.actors.status.group import LostWorker
+from raylastic.actors.worker_group.group import MemberRaised
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.peer_restore import ShardCopy
 from tests.fake_group import STEPS, FakeGroup, controller, events, lose, states_until_end, with_member, write_checkpoint
@@ -226,7 +226,7 @@ def test_a_sharded_run_that_lost_a_shard_with_no_copy_and_no_checkpoint_fails_ra
 
 
 def test_workers_that_cannot_start_are_reported_and_fail_the_run_naming_the_error(tmp_path):
-    from raylastic.actors.membership import StartFailure, WorkersCannotStart
+    from raylastic.actors.worker_group.membership import StartFailure, WorkersCannotStart
 
     run, group = controller(tmp_path, "scaling.min_workers=1")
     run.state = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time())

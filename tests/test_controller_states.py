@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from raylastic.actors.group_status import LostWorker
-from raylastic.actors.run_states import (
+from raylastic.actors.controller.states import (
     Failed,
     Finishing,
     Forming,
@@ -22,6 +21,7 @@ from raylastic.actors.run_states import (
     Running,
     WaitingForWorkers,
 )
+from raylastic.actors.status.group import LostWorker
 from raylastic.jobconfig import FaultConfig
 from raylastic.strategies.peer_restore import ShardCopy
 from tests.fake_group import STEPS, controller, events, states_until_end, with_member, write_checkpoint

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from raylastic.actors.batch_split import BatchSplit, rank_slice
-from raylastic.actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
+from raylastic.actors.data.batch_split import BatchSplit, rank_slice
+from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
 from raylastic.jobconfig import TrainingConfig
 from tests.helpers import step_indices
 
@@ -129,7 +129,7 @@ def test_an_empty_data_set_is_refused_naming_its_size_and_the_batch_field():
 @pytest.mark.parametrize(("num_samples", "global_batch_size"), [(5, 7), (5, 48), (40, 64)])
 def test_a_data_set_smaller_than_a_global_batch_warns_and_the_repeats_are_as_it_says(caplog, num_samples,
                                                                                         global_batch_size):
-    with caplog.at_level("WARNING", logger="raylastic.actors.data_order"):
+    with caplog.at_level("WARNING", logger="raylastic.actors.data.order"):
         order = GlobalSampleOrder(num_samples=num_samples, global_batch_size=global_batch_size, seed=0)
     (warning,) = [r.getMessage() for r in caplog.records]
     assert f"has {num_samples} samples, fewer than training.global_batch_size={global_batch_size}" in warning
@@ -141,6 +141,6 @@ def test_a_data_set_smaller_than_a_global_batch_warns_and_the_repeats_are_as_it_
 
 
 def test_a_data_set_of_a_global_batch_or_more_does_not_warn(caplog):
-    with caplog.at_level("WARNING", logger="raylastic.actors.data_order"):
+    with caplog.at_level("WARNING", logger="raylastic.actors.data.order"):
         GlobalSampleOrder(num_samples=48, global_batch_size=48, seed=0)
     assert caplog.records == []

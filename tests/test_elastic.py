@@ -16,7 +16,7 @@ import time
 import pytest
 import ray
 
-from raylastic.actors.controller import RunFailed
+from raylastic.actors.controller.controller import RunFailed
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name, worker_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint

@@ -25,8 +25,8 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from raylastic.actors.controller import RunFailed
-from raylastic.actors.run_status import RunStatus
+from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.status.run import RunStatus
 from raylastic.cluster.import_path import after_standard_library
 from raylastic.cluster.job import RunStopped, train
 from raylastic.cluster.termination import StopRequest, sigterm_asks

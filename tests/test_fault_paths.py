@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import ray
 
-from raylastic.actors.controller import RunFailed
-from raylastic.actors.rendezvous_keys import RendezvousKeys
-from raylastic.actors.run_status import Event, RunStatus
-from raylastic.actors.training_loop import LOOP_EXIT_GRACE_S
-from raylastic.actors.worker_actor import TrainWorkerActor, WorkerSpec
+from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.rendezvous.keys import RendezvousKeys
+from raylastic.actors.status.run import Event, RunStatus
+from raylastic.actors.worker.actor import TrainWorkerActor, WorkerSpec
+from raylastic.actors.worker.training_loop import LOOP_EXIT_GRACE_S
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name
 from raylastic.strategies.checkpoint import Checkpointer

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from raylastic.actors.faults import FaultInjector, FaultPlan, InjectedFault
+from raylastic.actors.faults.plan import FaultInjector, FaultPlan, InjectedFault
 from raylastic.jobconfig import FaultConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def test_a_throttle_outlives_failures_until_its_last_step():
 
 STALL_FROM_A_THREAD = """
 import sys, threading
-from raylastic.actors.faults import fire
+from raylastic.actors.faults.plan import fire
 from raylastic.jobconfig import FaultConfig
 
 def step():

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from raylastic.actors.stop_vote import StopVote
+from raylastic.actors.worker.stop_vote import StopVote
 from raylastic.strategies.compression import CompressionOptions, make_comm_hook
 from raylastic.strategies.ddp import DDPStrategy
 from raylastic.strategies.hierarchical import make_hierarchical_hook

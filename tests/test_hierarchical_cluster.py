@@ -21,7 +21,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
 
-from raylastic.actors.run_status import RunStatus
+from raylastic.actors.status.run import RunStatus
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import NAMESPACE
 from tests.conftest import REPO_ROOT

@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from raylastic.actors.run_status import RunStatus
+from raylastic.actors.status.run import RunStatus
 from raylastic.cluster.job import train
 from raylastic.jobconfig import STRATEGIES, StrategyConfig
 from raylastic.jobconfig.naming import controller_name
@@ -20,8 +20,9 @@ from tests.conftest import REPO_ROOT
 from tests.helpers import job, load_model
 from tests.process_imports import training_imports
 
-CONTROLLER_SIDE = ("raylastic.actors.controller", "raylastic.actors.worker_actor", "raylastic.actors.rendezvous_keys",
-                   "raylastic.strategies.checkpoint_catalogue", "raylastic.strategies.group_assignment")
+CONTROLLER_SIDE = ("raylastic.actors.controller.controller", "raylastic.actors.worker.actor",
+                   "raylastic.actors.rendezvous.keys", "raylastic.strategies.checkpoint_catalogue",
+                   "raylastic.strategies.group_assignment")
 
 
 @pytest.mark.processes

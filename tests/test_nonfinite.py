@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from raylastic.actors.controller import RunFailed
-from raylastic.actors.data_order import GlobalSampleOrder
-from raylastic.actors.step_loop import NonFiniteStep, StepRunner
+from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.worker.step import NonFiniteStep, StepRunner
 from raylastic.cluster.job import train
 from raylastic.jobconfig import OptimConfig
 from raylastic.strategies.ddp import DDPStrategy

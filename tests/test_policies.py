@@ -10,8 +10,7 @@ import itertools
 
 import pytest
 
-from raylastic.actors.group_status import GroupStatus, LostWorker, MemberStatus
-from raylastic.actors.policies import (
+from raylastic.actors.controller.policies import (
     AllStopped,
     FailurePolicy,
     FromCheckpoint,
@@ -35,6 +34,7 @@ from raylastic.actors.policies import (
     read_drain_notices,
     workers_missing,
 )
+from raylastic.actors.status.group import GroupStatus, LostWorker, MemberStatus
 from raylastic.strategies.checkpoint_catalogue import Checkpoint
 from raylastic.strategies.checkpoint_manifest import CheckpointManifest
 from raylastic.strategies.peer_restore import PeerRestorePlan

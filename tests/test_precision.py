@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raylastic.actors.data_order import GlobalSampleOrder
-from raylastic.actors.step_loop import StepRunner
+from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.worker.step import StepRunner
 from raylastic.cluster.job import train
 from raylastic.jobconfig import OptimConfig, StrategyConfig
 from raylastic.strategies.base import init_optimizer_state, load_scaler, scaler_entries

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raylastic.actors.recipe import learning_rate, optimizer_factory, set_learning_rate
+from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_factory, set_learning_rate
 from raylastic.jobconfig import OptimConfig
 from tests.distributed_harness import run_distributed
 from tests.recipe_runs import (

@@ -1,4 +1,4 @@
-"""The run's rendezvous store (actors/rendezvous.py): a TCPStore's answers over Ray calls, every wait bounded,
+"""The run's rendezvous store (actors/rendezvous/store.py): a TCPStore's answers over Ray calls, every wait bounded,
 and generation groups formed through it under the run's random key prefix (real Ray actors, real gloo)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-from raylastic.actors.rendezvous import RPC_MARGIN_S, RayStore
-from raylastic.actors.rendezvous_keys import RendezvousKeys, beside_this_process
+from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process
+from raylastic.actors.rendezvous.store import RPC_MARGIN_S, RayStore
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.strategies.process_group import join_group, leave_group
 from tests.process_imports import training_imports

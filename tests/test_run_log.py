@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from raylastic.actors.events import RunLog
+from raylastic.actors.controller.run_log import RunLog
 
 
 def _report(log: RunLog, step: int, rank: int, *, generation: int = 0, world_size: int = 2, loss_sum: float,

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from raylastic.actors.controller import RunFailed
+from raylastic.actors.controller.controller import RunFailed
 from raylastic.cluster.job import train
 from tests.distributed_harness import run_distributed
 from tests.helpers import assert_states_close, job, load_model, sigkill_ranks_once

@@ -15,10 +15,10 @@ import psutil
 import pytest
 import ray
 
-from raylastic.actors.member_calls import CallBounds, MembersFailed, call_members
-from raylastic.actors.membership import Member
-from raylastic.actors.run_status import RunStatus
-from raylastic.actors.worker_group import JOIN_RENDEZVOUS
+from raylastic.actors.status.run import RunStatus
+from raylastic.actors.worker_group.group import JOIN_RENDEZVOUS
+from raylastic.actors.worker_group.member_calls import CallBounds, MembersFailed, call_members
+from raylastic.actors.worker_group.membership import Member
 from raylastic.cluster.job import train
 from tests.helpers import StoppedProcess, job
 from tests.worker_actors import workers_of

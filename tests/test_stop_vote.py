@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raylastic.actors.stop_vote import MAX_VOTE_INTERVAL, VOTE_PERIOD_S, StopVote, proposed_interval
+from raylastic.actors.worker.stop_vote import MAX_VOTE_INTERVAL, VOTE_PERIOD_S, StopVote, proposed_interval
 from tests.distributed_harness import run_distributed
 
 

@@ -113,7 +113,7 @@ def _niceness_of_threads(pid: int) -> dict[int, int]:
 def test_training_workers_run_at_normal_priority_and_keep_freed_memory(tmp_path):
     """Ray's default worker niceness is 15. A local instance starts its workers at 0 (no root needed);
     a training worker lowers any higher niceness itself where it may (cluster heads started without
-    RAY_worker_niceness=0). A worker fixes glibc's malloc thresholds (actors/allocator.py; their effect is
+    RAY_worker_niceness=0). A worker fixes glibc's malloc thresholds (actors/processes/allocator.py; their effect is
     tests/test_allocator.py's, in a fresh process: a live worker's faults depend on what it freed before,
     as glibc's own adaptation follows that history to the same ceilings)."""
     seen = {}

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from raylastic.actors.controller import RunFailed
-from raylastic.actors.recipe import learning_rate
+from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.worker.optimizer_recipe import learning_rate
 from raylastic.cluster.cli import main
 from raylastic.cluster.job import train
 from tests.helpers import assert_states_close, job, load_model

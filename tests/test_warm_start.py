@@ -1,4 +1,4 @@
-"""Warm processes (actors/warm_start.py): the job's setup hook and processes started ahead, on a real local Ray."""
+"""Warm processes (actors/processes/): the job's setup hook and processes started ahead, on a real local Ray."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import psutil
 import pytest
 import ray
 
-from raylastic.actors.warm_start import ProcessStart, WarmProcesses
+from raylastic.actors.processes.setup_hook import ProcessStart, WarmProcesses
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name
 from tests.conftest import REPO_ROOT
@@ -35,11 +35,11 @@ calls = []
 for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "set_device"):
     original = getattr(torch.cuda, name)
     setattr(torch.cuda, name, lambda *a, _name=name, _original=original, **k: calls.append(_name) or _original(*a, **k))
-from raylastic.actors import warm_start
-assert warm_start.imported is None
-warm_start.import_training_modules()
-assert warm_start.imported is not None and warm_start.imported.began_at <= warm_start.imported.done_at
-assert {"torch._dynamo", "raylastic.actors.worker"} <= set(sys.modules), "not imported"
+from raylastic.actors.processes import setup_hook
+assert setup_hook.imported is None
+setup_hook.import_training_modules()
+assert setup_hook.imported is not None and setup_hook.imported.began_at <= setup_hook.imported.done_at
+assert {"torch._dynamo", "raylastic.actors.worker.train_worker"} <= set(sys.modules), "not imported"
 assert calls == [], calls
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)

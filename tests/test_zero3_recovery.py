@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from raylastic.actors.run_status import RunStatus
+from raylastic.actors.status.run import RunStatus
 from raylastic.cluster.job import train
 from raylastic.strategies.base import TrainState, init_optimizer_state
 from raylastic.strategies.fsdp import FSDPStrategy

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import ray
 
-from raylastic.actors.rendezvous_keys import RendezvousKeys, call_off_generation
-from raylastic.actors.worker_actor import JoinReport, TrainWorkerActor, WorkerSpec
+from raylastic.actors.rendezvous.keys import RendezvousKeys, call_off_generation
+from raylastic.actors.worker.actor import JoinReport, TrainWorkerActor, WorkerSpec
 from raylastic.jobconfig import FaultConfig
 from raylastic.strategies.checkpoint import Checkpointer
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix

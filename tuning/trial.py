@@ -24,8 +24,8 @@ import ray
 from ray import tune
 from ray.tune import PlacementGroupFactory
 
-from raylastic.actors.placement import ReservedBundles
-from raylastic.actors.run_status import RunStatus
+from raylastic.actors.status.run import RunStatus
+from raylastic.actors.worker_group.placement import ReservedBundles
 from raylastic.cluster.job import CONTROLLER_END_S, STOP_TIMEOUT_S, train
 from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import trial_run_name

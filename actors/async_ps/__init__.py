@@ -8,4 +8,6 @@ it with the next update number unless the parameters it was computed on are more
 ``strategy.max_staleness`` updates old (then the step goes back in the queue and is computed again).
 The servers apply admitted gradients in update order, so every server's shard sees the same
 sequence and staleness is exact. Nothing waits for the slowest worker.
+
+May import (of actors/): status, data, faults, processes, rendezvous, worker, worker_group, controller.
 """

@@ -32,12 +32,12 @@ from raylastic.actors.async_ps.server_group import ServerGroup, ServersLost, fir
 from raylastic.actors.async_ps.shards import assign_parameters
 from raylastic.actors.async_ps.tickets import TicketBook
 from raylastic.actors.async_ps.worker_pool import WorkerPool, reserved_bundle
-from raylastic.actors.controller import RunFailed
-from raylastic.actors.evaluation import Evaluator
-from raylastic.actors.events import RunLog
-from raylastic.actors.placement import ReservedBundles
-from raylastic.actors.recipe import learning_rate
-from raylastic.actors.run_status import RunResult, RunStatus
+from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.controller.run_log import RunLog
+from raylastic.actors.status.run import RunResult, RunStatus
+from raylastic.actors.worker.evaluation import Evaluator
+from raylastic.actors.worker.optimizer_recipe import learning_rate
+from raylastic.actors.worker_group.placement import ReservedBundles
 from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import controller_name
 from raylastic.workloads import load_workload

@@ -42,7 +42,7 @@ import torch
 from raylastic.actors.async_ps.checkpoints import Cut, checkpoint_dir, server_file
 from raylastic.actors.async_ps.prediction import WeightPredictor
 from raylastic.actors.async_ps.saver import SaveFailure, ServerSaver, Snapshot
-from raylastic.actors.recipe import learning_rate, optimizer_factory, set_learning_rate
+from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_factory, set_learning_rate
 from raylastic.jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from raylastic.workloads import load_workload
 

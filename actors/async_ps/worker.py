@@ -21,14 +21,14 @@ from typing import Any
 import ray
 import torch
 
-from raylastic.actors.allocator import keep_freed_memory
 from raylastic.actors.async_ps.leases import Lease, StepReport
-from raylastic.actors.batch_split import BatchSplit
-from raylastic.actors.batches import fetch_batch, loader_inputs, to_device
-from raylastic.actors.data_order import GlobalSampleOrder, micro_batch_count, micro_batches
-from raylastic.actors.faults import fire, throttle_factor
-from raylastic.actors.recipe import clip_gradients
-from raylastic.actors.step_loop import NonFiniteStep, seed_rng, step_seed
+from raylastic.actors.data.batch_split import BatchSplit
+from raylastic.actors.data.batches import fetch_batch, loader_inputs, to_device
+from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
+from raylastic.actors.faults.plan import fire, throttle_factor
+from raylastic.actors.processes.allocator import keep_freed_memory
+from raylastic.actors.worker.optimizer_recipe import clip_gradients
+from raylastic.actors.worker.step import NonFiniteStep, seed_rng, step_seed
 from raylastic.jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from raylastic.jobconfig.link import LinkConfig
 from raylastic.strategies.emulated_link import EmulatedLink

@@ -14,8 +14,8 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylastic.actors.async_ps.worker import AsyncWorkerActor, AsyncWorkerSpec
-from raylastic.actors.placement import ReservedBundles
-from raylastic.actors.warm_start import TRAINS
+from raylastic.actors.processes.setup_hook import TRAINS
+from raylastic.actors.worker_group.placement import ReservedBundles
 from raylastic.jobconfig import JobConfig
 
 

@@ -1,0 +1,393 @@
+"""Controller: owns one run, as a state machine over a WorkerGroup.
+
+The states are in ``actors.controller.states`` (placing, forming, running, resizing, recovering,
+waiting_for_workers, finishing, and the ends finished, failed, stopped); ``advance`` takes one
+transition, ``run`` takes them until an end. Each state's action executes through the WorkerGroup;
+every decision (how many workers, whether a failure is one too many, what a poll of the training
+group means, where a generation's state comes from) is taken by a pure policy in ``actors.controller.policies``.
+
+Survivors are never restarted: they leave the broken group and join generation g+1 in the same
+process, and the most advanced state among them is broadcast to everyone. The Controller is a
+threaded actor: ``run`` blocks in one thread while ``progress``, ``drain`` and ``stop`` answer
+from others.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import ray
+
+from raylastic.actors.controller.drains import Drains
+from raylastic.actors.controller.policies import (
+    AllStopped,
+    FailurePolicy,
+    FromCheckpoint,
+    FromPeers,
+    FromRank,
+    GenerationFinished,
+    GenerationJudge,
+    JobError,
+    KeepTraining,
+    Raise,
+    Resize,
+    ScalingPolicy,
+    ScalingState,
+    StateLost,
+    Verdict,
+    choose_state_source,
+    needs_checkpoint_lookup,
+    workers_missing,
+)
+from raylastic.actors.controller.poll_intake import Progress, take_in
+from raylastic.actors.controller.run_checkpoints import ForeignCheckpoint, RunCheckpoints
+from raylastic.actors.controller.run_log import RunLog
+from raylastic.actors.controller.run_metrics import RunMetrics
+from raylastic.actors.controller.share_book import ShareBook
+from raylastic.actors.controller.states import (
+    STOPPABLE,
+    TERMINAL,
+    Failed,
+    Finished,
+    Finishing,
+    Forming,
+    Placing,
+    Recovering,
+    Resizing,
+    Running,
+    RunState,
+    Stopped,
+    WaitingForWorkers,
+)
+from raylastic.actors.faults.plan import FaultPlan
+from raylastic.actors.status.group import GroupStatus, LostWorker
+from raylastic.actors.status.run import RunFailed, RunResult, RunStatus
+from raylastic.actors.worker_group.group import MemberRaised, MembersFailed, WorkerGroup
+from raylastic.actors.worker_group.membership import WorkersCannotStart
+from raylastic.actors.worker_group.placement import ReservedBundles
+from raylastic.jobconfig import JobConfig
+from raylastic.strategies.checkpoint_catalogue import Checkpoint, CheckpointSettings
+from raylastic.strategies.checkpoint_manifest import read_manifest
+from raylastic.strategies.peer_restore import plan_peer_restore
+
+WAIT_SLICE_S = 1.0
+"""While waiting for workers, how long one wait lasts before a stop request is looked at again."""
+
+
+class Controller:
+    def __init__(self, job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None = None,
+                 profile_dir: str | None = None, *, group: WorkerGroup | None = None) -> None:
+        """``group``: the workers (built from ``job`` unless given, e.g. a test's fake)."""
+        self.job = job
+        self.log = RunLog()
+        self.metrics = RunMetrics(job.name)
+        self.checkpoints = RunCheckpoints(root=checkpoint_root, config_hash=job.math_hash(), log=self.log)
+        self.replicated = job.strategy.replicated
+        self.scaling_policy = ScalingPolicy(min_workers=job.scaling.min_workers, max_workers=job.scaling.max_workers,
+                                            spare_workers=job.scaling.spare_workers)
+        self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
+        self.judge = GenerationJudge(step_timeout_s=job.failure.step_timeout_s, max_step_s=job.failure.max_step_s,
+                                     collective_timeout_s=job.failure.collective_timeout_s)
+        self.faults = FaultPlan(job.faults)
+        if group is None:
+            checkpointer = CheckpointSettings(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
+                                        num_to_keep=job.checkpoint.num_to_keep, config_hash=job.math_hash(),
+                                        global_batch_size=job.training.global_batch_size,
+                                        async_save=job.checkpoint.async_save)
+            group = WorkerGroup.for_job(job, checkpointer, reserved=reserved, profile_dir=profile_dir)
+        self.group = group
+        self.state: RunState = Placing()
+        self.step = 0
+        """The newest step the run committed."""
+        self.failures = 0
+        self.stop_requested = False
+        self.drains = Drains(self.group, self.log)
+        self.shares = ShareBook(job.training.global_batch_size, job.scaling.straggler_factor)
+        self._actions = {Placing: self._place, Forming: self._form, Running: self._train, Resizing: self._resize,
+                         Recovering: self._recover, WaitingForWorkers: self._wait_for_workers,
+                         Finishing: self._finish}
+
+    # -- public API (the driver, the CLI, an autoscaler, tests) --------------------------------------------
+    def run(self) -> RunResult:
+        """Train to ``training.steps``; raises RunFailed with the reason when the run cannot go on."""
+        try:
+            while not isinstance(self.state, TERMINAL):
+                self.advance()
+        finally:
+            self.group.shutdown()
+            self.log.close()
+        if isinstance(self.state, Finished):
+            return self.state.result
+        if isinstance(self.state, Stopped):
+            raise RunFailed(f"run stopped by the user at step {self.step}{self.checkpoints.note()}")
+        raise RunFailed(self.state.reason, model_state=self.state.model_state)
+
+    def advance(self) -> RunState:
+        """One transition: act in the current state and move to the next. A stop request ends any stoppable
+        state before it acts; a failure of workers in any state leads to recovering."""
+        state = self.state
+        try:
+            if self.stop_requested and isinstance(state, STOPPABLE):
+                following = Stopped()
+            else:
+                following = self._actions[type(state)](state)
+        except MembersFailed as failure:
+            following = self._recovering_from(state, failure.lost)
+        except MemberRaised as error:
+            following = Failed(self.checkpoints.with_note(str(error)))
+        except ForeignCheckpoint as error:
+            following = Failed(str(error))
+        except WorkersCannotStart as error:
+            self._log_start_failures()
+            following = Failed(self.checkpoints.with_note(str(error)))
+        except Exception as error:  # a defect of ours: still a failed run with a reason, never a bare traceback
+            following = Failed(f"the Controller failed at step {self.step} while {state.name}: "
+                               f"{type(error).__name__}: {error}{self.checkpoints.note()}\n{traceback.format_exc()}")
+        self.state = following
+        return following
+
+    @staticmethod
+    def _recovering_from(state: RunState, lost: tuple[LostWorker, ...]) -> Recovering:
+        """Members were lost while forming, training, resizing or finishing: the recovery keeps when the first
+        failure happened and the checkpoint a forming generation was to load."""
+        since = state.recovering_since if isinstance(state, Forming | Running) else None
+        restore = state.restore if isinstance(state, Forming) else None
+        return Recovering(lost, recovering_since=since or time.time(), restore=restore)
+
+    def progress(self, history_since: int = 0, events_since: int = 0, evaluations_since: int = 0,
+                 wait_s: float = 0.0) -> RunStatus:
+        """The run's state, and the history rows, events and evaluations since the given positions; waits up to
+        ``wait_s`` for an event past ``events_since`` (or the run's end) before answering."""
+        if wait_s > 0:
+            self.log.wait_for_news(events_since, wait_s)
+        return RunStatus(state=self.state.name, generation=self.group.generation, world_size=self.group.size,
+                         step=self.step, members=self.group.member_names, failures=self.failures,
+                         history=self.log.history(history_since), events=self.log.events(events_since),
+                         evaluations=self.log.evaluations(evaluations_since))
+
+    def drain(self, *, rank: int | None = None, node_id: str | None = None) -> list[str]:
+        """Planned removal: the worker of ``rank`` (or every worker on ``node_id``) leaves at the next
+        step boundary, with nothing discarded. Returns the names of the workers that will leave."""
+        return self.group.drain(rank=rank, node_id=node_id)
+
+    def stop(self) -> None:
+        """End the run at the next step boundary (Ctrl-C); workers are shut down, nothing orphaned. A stop
+        asked while a generation forms or the run waits for workers takes effect as soon as that ends."""
+        self.stop_requested = True
+        self.group.request_boundary()
+
+    # -- the states' actions --------------------------------------------------------------------------------
+    def _place(self, state: Placing) -> RunState:
+        scaling = self.job.scaling
+        for worker in self.group.place(max_workers=scaling.max_workers, min_workers=scaling.min_workers,
+                                       spare_workers=scaling.spare_workers, timeout_s=scaling.placement_timeout_s):
+            self.log.event("worker_failed", self.step, worker=worker.name, reason=worker.reason)
+        if workers_missing(min_workers=scaling.min_workers, num_workers=self.group.size):
+            return Failed(self._too_few_workers("could be placed"))
+        resume = self.checkpoints.resume_point(at_step=self.step) if self.job.checkpoint.resume == "auto" else None
+        return Forming(restore=resume)
+
+    def _form(self, state: Forming) -> RunState:
+        """Every member joins generation g+1; the state is handed over or restored."""
+        started, before = time.time(), self.step
+        reports = self.group.form(run_step=self.step)
+        member_steps = [report.step for report in reports]
+        plan = None if self.replicated else plan_peer_restore([report.shard_copies for report in reports])
+        newest = None
+        if needs_checkpoint_lookup(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
+                                   run_step=self.step, peer_plan=plan):
+            newest = self.checkpoints.newest(max_step=self.step, at_step=self.step)
+        source = choose_state_source(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
+                                     run_step=self.step, peer_plan=plan, newest_checkpoint=newest)
+        if isinstance(source, StateLost):
+            return Failed(source.reason(self.job.strategy, self.job.checkpoint.every_steps) + self.checkpoints.note())
+        if isinstance(source, FromPeers):
+            self.group.call_all("restore_from_peers", [(source.plan,)] * self.group.size)
+            self.step, label = source.plan.step, "buddy" if source.plan.from_buddies else "peers"
+        elif isinstance(source, FromCheckpoint):
+            found = source.checkpoint
+            self.checkpoints.require_same_job(found)
+            refused = self.group.call_all("restore", [(found.path, found.manifest.step)] * self.group.size)[0]
+            if refused is not None:  # its loaders found a file altered: form again from the next one
+                self.checkpoints.reject(found, refused, at_step=self.step)
+                restore = None if state.restore is None else self.checkpoints.newest(max_step=found.manifest.step)
+                return Forming(restore=restore, recovering_since=state.recovering_since)
+            self.step, label = found.manifest.step, "checkpoint"
+        elif isinstance(source, FromRank):
+            self.step, label = member_steps[source.rank], source.rank
+            self.group.call_all("sync_state", [(source.rank,)] * self.group.size)
+        else:
+            self.step, label = 0, "initialisation"
+        self.log.event("generation_formed", self.step, generation=self.group.generation, world_size=self.group.size,
+                       state_source=label, steps_lost=max(0, before - self.step),
+                       duration_s=round(time.time() - started, 4))
+        return Running(recovering_since=state.recovering_since)
+
+    def _train(self, state: Running) -> RunState:
+        """Train the generation, judging every poll, until the judge sees an end."""
+        shares = self.shares.split_for(self.group.member_names) if self.job.scaling.balance == "auto" else None
+        self.group.start_training(self.job.training.steps, [self.faults.for_rank(r) for r in range(self.group.size)],
+                                  shares)
+        progress, boundary_requested = Progress(self.step, state.recovering_since), False
+        while True:
+            status = self.group.poll()
+            progress = take_in(status, self.log, self.metrics, progress)
+            self.step = progress.step
+            self.shares.take_in(status)
+            self._log_start_failures()
+            self.drains.act_on_notices(status, step=self.step)
+            self.drains.drain_stragglers(status, step=self.step, min_workers=self.job.scaling.min_workers)
+            verdict = self.judge.decide(status)
+            if not isinstance(verdict, KeepTraining):
+                break
+            if not boundary_requested:
+                boundary_requested = self._consider_scaling(status)
+        final = self.group.end_generation()
+        progress = take_in(final, self.log, self.metrics, progress)
+        self.shares.take_in(final)
+        self.step = progress.step
+        self.log.close_generation(self.group.generation)
+        return self._after_generation(verdict, final, progress.recovering_since)
+
+    def _after_generation(self, verdict: Verdict, final: GroupStatus, recovering_since: float | None) -> RunState:
+        if isinstance(verdict, GenerationFinished):
+            return Finishing()
+        if isinstance(verdict, AllStopped):
+            return Resizing()
+        if isinstance(verdict, JobError):
+            for name, error in verdict.errors:
+                self.log.event("worker_failed", self.step, worker=name, reason="raised an error", traceback=error)
+            name, error = verdict.errors[0]
+            return Failed(f"{name} raised an error at step {self.step + 1} (not retried: it is the job's, not a lost "
+                          f"worker){self.checkpoints.note()}\n{error}")
+        named = {worker.name for worker in verdict.lost}  # a lost node takes several workers: every death heard
+        also_dead = [LostWorker(m.name, m.dead, rank) for rank, m in enumerate(final.members)
+                     if m.dead and m.name not in named]
+        return Recovering(verdict.lost + tuple(also_dead), recovering_since=recovering_since or time.time())
+
+    def _consider_scaling(self, status: GroupStatus) -> bool:
+        """Take spares and start joiners if the policy wants more workers, and start spares on the slots left;
+        True when a membership change was asked for."""
+        state = ScalingState(num_workers=status.world_size + status.num_joining, num_placeable=status.num_placeable,
+                             num_spares_ready=status.num_spares_ready, num_spares=status.num_spares)
+        decision, taken = self.scaling_policy.decide(state), 0
+        if isinstance(decision, Resize):
+            taken = self.group.promote_spares(decision.from_spares)
+            self.group.add_joiners(decision.num_workers - state.num_workers - taken)
+            if taken:
+                self.log.event("spares_taken", self.step, workers=taken, reason="scale-up")
+        self.group.add_spares(self.scaling_policy.spares_to_start(state, decision))
+        if status.membership_change_ready or taken:
+            self.group.request_boundary()
+            return True
+        return False
+
+    def _resize(self, state: Resizing) -> RunState:
+        """At a step boundary: drained workers leave, ready joiners come in. Sharded state the leavers hold is
+        saved by the old group first; the new one loads it, resharded, where the members' copies do not hold the
+        same step (a leaver whose buddy leaves with it, or no buddy copy). With nobody leaving, every shard stays
+        in the members' memory and goes over to the new layout from there. Nothing is discarded."""
+        restore = None
+        if not self.replicated and self.group.num_leaving:
+            path = self.group.call_all("save_checkpoint")[0]
+            self.log.event("checkpointed", self.step, path=path, reason="membership change")
+            restore = Checkpoint(path, read_manifest(path))
+        self.drains.left(step=self.step)
+        self._admit_joiners()
+        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
+        if missing:
+            self.log.event("waiting_for_resources", self.step, workers=self.group.size, needed=missing)
+            return WaitingForWorkers(needed=missing, deadline=time.monotonic() + self.job.scaling.placement_timeout_s,
+                                     restore=restore)
+        return Forming(restore=restore)
+
+    def _recover(self, state: Recovering) -> RunState:
+        """Drop the failed workers, count the failure, keep the survivors; wait for workers below min_workers."""
+        for worker in state.lost:
+            self.group.drop(worker.name)
+            self.log.event("worker_failed", self.step, worker=worker.name, reason=worker.reason)
+        self.failures += 1  # one incident, however many workers it took
+        self.metrics.failed(len(state.lost))
+        self.faults.disarm({worker.rank for worker in state.lost if worker.rank is not None}, self.step)
+        decision = self.failure_policy.decide(self.failures)
+        if isinstance(decision, Raise):
+            last = "; ".join(worker.describe() for worker in state.lost)
+            return Failed(f"{decision.reason}; last failure: {last}{self.checkpoints.note()}")
+        restore = state.restore
+        self._take_spares(reason="failure")
+        self._admit_joiners()
+        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
+        if missing:
+            self.log.event("waiting_for_resources", self.step, workers=self.group.size, needed=missing)
+            return WaitingForWorkers(needed=missing, deadline=time.monotonic() + self.job.scaling.placement_timeout_s,
+                                     recovering_since=state.recovering_since, restore=restore)
+        return Forming(restore=restore, recovering_since=state.recovering_since)
+
+    def _wait_for_workers(self, state: WaitingForWorkers) -> RunState:
+        """Start replacements as their slots become ready; form again once min_workers are in, fail at the
+        deadline. Each call waits at most WAIT_SLICE_S, so a stop request is heard."""
+        self._take_spares(reason="failure")
+        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
+        self.group.add_joiners(missing - self.group.num_joining)
+        self.group.wait_for_joiners(max(0.0, min(WAIT_SLICE_S, state.deadline - time.monotonic())))
+        self._admit_joiners()
+        if not workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size):
+            return Forming(restore=state.restore, recovering_since=state.recovering_since)
+        if time.monotonic() >= state.deadline:
+            return Failed(self._too_few_workers("are available after the failure"))
+        return state
+
+    def _finish(self, state: Finishing) -> RunState:
+        """Write the final checkpoint, gather the full model, evaluate (collectives on every member), in that order:
+        what comes first is kept when what comes after fails."""
+        path = self.group.call_all("save_checkpoint")[0]
+        if not any(e.type == "checkpointed" and e.step == self.step for e in self.log.events()):
+            self.log.event("checkpointed", self.step, path=path, reason="end of run")  # else the loop's save, reported
+        if self.replicated:  # every rank holds it all: one copy, from rank 0, with no collective
+            model_state = self.group.call_one(0, "full_model_file")
+        else:
+            model_state = self.group.call_all("full_model_file", [(rank == 0,) for rank in range(self.group.size)])[0]
+        try:
+            metrics = self.group.call_all("evaluate")[0]
+        except MemberRaised as error:
+            return Failed(self.checkpoints.with_note(str(error)), model_state=model_state)  # the model.pt is kept
+        if self.job.eval.every_steps:  # the curve of eval rows ends with the final metrics
+            self.log.add_evaluation(self.step, time.time(), metrics)
+        memory = self.group.call_all("memory")
+        history = self.log.history()
+        metrics = {**({"loss": history[-1]["loss"]} if history else {}), **metrics}  # none when resumed at the end
+        self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})
+        return Finished(RunResult(
+            final_step=self.step, metrics=metrics, history=history, events=self.log.events(), model_state=model_state,
+            checkpoint=path, memory=memory, eval_history=self.log.evaluations(),
+            ledger=self.log.ledger() if self.job.training.record_samples else None))
+
+    # -- what the actions share -----------------------------------------------------------------------------
+    def _take_spares(self, *, reason: str) -> None:
+        """Ready spares join now, up to max_workers (their slots are asked for again by the failed workers)."""
+        wanted = self.scaling_policy.spares_to_take(num_workers=self.group.size + self.group.num_joining,
+                                                    num_spares_ready=self.group.num_spares_ready)
+        if wanted and (taken := self.group.promote_spares(wanted)):
+            self.log.event("spares_taken", self.step, workers=taken, reason=reason)
+
+    def _admit_joiners(self) -> None:
+        for name, warm in self.group.admit_ready_joiners().items():
+            self.log.event("worker_joined", self.step, worker=name, warm_process=warm)
+        self._log_start_failures()
+
+    def _log_start_failures(self) -> None:
+        for failure in self.group.take_start_failures():
+            self.log.event("worker_start_failed", self.step, worker=failure.worker, node_id=failure.node_id,
+                           error=failure.error)
+
+    def _too_few_workers(self, what: str) -> str:
+        scaling = self.job.scaling
+        return (f"only {self.group.size} of scaling.min_workers={scaling.min_workers} workers {what} within "
+                f"scaling.placement_timeout_s={scaling.placement_timeout_s}s {self.group.capacity_note()}"
+                f"{self.checkpoints.note()}")
+
+
+
+ControllerActor = ray.remote(num_cpus=0, max_concurrency=8)(Controller)
+

@@ -1,0 +1,57 @@
+"""Planned departures while a generation trains: members on a node Ray drains (a preemption notice) and
+ranks that report themselves stragglers leave at the next step boundary; a drain called off before it keeps
+them. The Controller's decisions are ``actors.controller.policies``' (``read_drain_notices``, ``stragglers_to_drain``);
+this carries them out on the WorkerGroup and logs them.
+
+Example (the Controller, every poll, and at the boundary)::
+
+    drains = Drains(group, log)
+    drains.act_on_notices(status, step=120)
+    drains.drain_stragglers(status, step=120, min_workers=2)
+    drains.left(step=121)          # the boundary: "worker_left" and "drained" events
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from raylastic.actors.controller.policies import read_drain_notices, stragglers_to_drain
+from raylastic.actors.controller.run_log import RunLog
+from raylastic.actors.status.group import GroupStatus
+
+
+class Drains:
+    def __init__(self, group: Any, log: RunLog) -> None:
+        """``group``: the WorkerGroup (or a test's fake)."""
+        self.group = group
+        self.log = log
+        self.pending: dict[str, list[str]] = {}
+        """Draining nodes acted on -> their members, which leave at the next step boundary."""
+
+    def act_on_notices(self, status: GroupStatus, *, step: int) -> None:
+        """Members on a node Ray drains leave at the next step boundary (and are replaced elsewhere); a drain
+        called off before the boundary keeps them."""
+        notices = read_drain_notices(status, set(self.pending))
+        for node, deadline in notices.new.items():
+            workers = self.group.drain(node_id=node, replace=True)
+            self.pending[node] = workers
+            self.log.event("node_draining", step, node_id=node, workers=workers,
+                           deadline_s=None if deadline is None else round(deadline - time.time(), 1))
+        for node in notices.called_off:
+            self.group.undrain(node_id=node)
+            del self.pending[node]
+            self.log.event("node_drain_cancelled", step, node_id=node)
+
+    def drain_stragglers(self, status: GroupStatus, *, step: int, min_workers: int) -> None:
+        """A rank that reported itself a straggler leaves at the next step boundary, if min_workers allows."""
+        for rank in stragglers_to_drain(status, min_workers=min_workers, num_leaving=self.group.num_leaving):
+            self.log.event("worker_draining", step, workers=self.group.drain(rank=rank), reason="straggler")
+
+    def left(self, *, step: int) -> None:
+        """At the step boundary: the drained members leave now."""
+        for name, node in self.group.remove_drained().items():
+            self.log.event("worker_left", step, worker=name, node_id=node, reason="drained")
+        for node, workers in self.pending.items():
+            self.log.event("drained", step, node_id=node, workers=workers, steps_lost=0)
+        self.pending = {}

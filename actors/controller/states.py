@@ -1,0 +1,120 @@
+"""The states of a run. The Controller moves from one to the next (``Controller.advance``)::
+
+    placing -> forming -> running -> finishing -> finished
+                 ^  ^        |  \\
+                 |  |        |   +-> resizing (drained workers leave, joiners come in) -> forming
+                 |  |        v
+                 |  +---- recovering (failed workers dropped, failure counted) <- a failure in any state
+                 +------- waiting_for_workers (below scaling.min_workers)
+
+    any state -> failed (a job error, too many failures, too few workers)
+    forming / running / resizing / waiting_for_workers -> stopped (the user asked)
+
+Each state carries what the next one needs, so the run's situation is in one value, not in flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from raylastic.actors.status.group import LostWorker
+from raylastic.strategies.checkpoint_catalogue import Checkpoint
+
+
+@dataclass(frozen=True)
+class Placing:
+    """Reserving slots, starting the first workers, finding the checkpoint to resume from."""
+
+    name: ClassVar[str] = "placing"
+
+
+@dataclass(frozen=True)
+class Forming:
+    """Every member joins generation g+1; the state is handed over or restored."""
+
+    name: ClassVar[str] = "forming"
+
+    restore: Checkpoint | None = None
+    """The checkpoint this generation loads (a resume, a sharded resize or recovery)."""
+    recovering_since: float | None = None
+    """When the failure this generation recovers from happened (its "recovered" event's start)."""
+
+
+@dataclass(frozen=True)
+class Running:
+    """The generation trains; each poll is judged by the GenerationJudge."""
+
+    name: ClassVar[str] = "running"
+
+    recovering_since: float | None = None
+
+
+@dataclass(frozen=True)
+class Resizing:
+    """At a step boundary: sharded state is saved, drained workers leave, ready joiners come in."""
+
+    name: ClassVar[str] = "resizing"
+
+
+@dataclass(frozen=True)
+class Recovering:
+    """Failed workers are dropped and the failure counted; the next generation forms from what is left."""
+
+    name: ClassVar[str] = "recovering"
+
+    lost: tuple[LostWorker, ...]
+    recovering_since: float
+    restore: Checkpoint | None = None
+    """The checkpoint the failed state was to load: still to be loaded by a replicated run."""
+
+
+@dataclass(frozen=True)
+class WaitingForWorkers:
+    """Below scaling.min_workers after a failure or a drain: replacements start as their slots become ready."""
+
+    name: ClassVar[str] = "waiting_for_workers"
+
+    needed: int
+    deadline: float
+    """``time.monotonic()`` by which they must be in (scaling.placement_timeout_s after the failure)."""
+    recovering_since: float | None = None
+    """When the failure that left the run short happened (None: a drain did)."""
+    restore: Checkpoint | None = None
+
+
+@dataclass(frozen=True)
+class Finishing:
+    """The final checkpoint, the full model and the final evaluation, in that order."""
+
+    name: ClassVar[str] = "finishing"
+
+
+@dataclass(frozen=True)
+class Finished:
+    name: ClassVar[str] = "finished"
+    result: Any = field(repr=False)
+    """The RunResult."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    name: ClassVar[str] = "failed"
+    reason: str
+    model_state: Any = field(default=None, repr=False)
+    """The full model, where it was gathered before the run failed (a failed final evaluation)."""
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The user asked the run to stop."""
+
+    name: ClassVar[str] = "stopped"
+
+
+RunState = (Placing | Forming | Running | Resizing | Recovering | WaitingForWorkers | Finishing | Finished | Failed
+            | Stopped)
+TERMINAL = (Finished, Failed, Stopped)
+STOPPABLE = (Forming, Running, Resizing, WaitingForWorkers)
+"""States a stop request ends at once; the others complete first (a recovery drops the failed workers, a
+finish writes its checkpoint)."""

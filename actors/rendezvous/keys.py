@@ -1,0 +1,130 @@
+"""The run's rendezvous keys: a key-value store in an actor, reached only through Ray.
+
+torch.distributed sets a group up (gloo's pairs, NCCL's unique id, ``new_group``'s barriers) through a
+key-value store. ``RendezvousKeys`` holds the run's keys beside the Controller; every rank reaches them
+with ``RayStore`` (actors/rendezvous/store.py), a ``torch.distributed.Store`` whose every operation is a call
+to this actor, so Ray's own authentication (its token) decides who may read or write them. Nothing
+here listens on a port of its own.
+
+The semantics are TCPStore's: values are bytes, ``add`` keeps a decimal counter, ``compare_set`` on a
+missing key sets it only when ``expected`` is empty. Waits end at their timeout with None, never
+later; the caller turns that into torch's ``DistStoreError``. ``abort`` ends every wait on a generation's
+keys at once (RendezvousAborted), which the caller turns into ``DistStoreError`` too. The actor is
+asynchronous, so any number of ranks may wait at once. It imports no torch: its process starts in about a second.
+
+Example::
+
+    keys = RendezvousKeys.options(**beside_this_process()).remote()     # once per run (WorkerGroup)
+    ray.get(keys.set.remote("a", b"1")); ray.get(keys.get.remote("a", timeout_s=5.0))   # b"1"
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raylastic.actors.processes.setup_hook import TRAINS_NOTHING
+from raylastic.strategies.group_assignment import generation_prefix
+
+
+class RendezvousAborted(Exception):
+    """A wait on a key of a generation whose forming was called off (a member was lost while it formed)."""
+
+
+class RendezvousKeysStore:
+    def __init__(self) -> None:
+        self._values: dict[str, bytes] = {}
+        self._aborted: set[str] = set()
+        """Key prefixes whose waits end at once, raising RendezvousAborted."""
+        self._changed = asyncio.Condition()
+
+    async def set(self, key: str, value: bytes) -> None:
+        await self._store(key, value)
+
+    async def abort(self, prefix: str) -> None:
+        """Every wait on a key under ``prefix`` (``<prefix>/...``), now or later, raises RendezvousAborted: the
+        Controller gave up on that generation, and its other ranks must not wait out their timeout for a lost
+        member's key (the member's death does not end a wait on the store)."""
+        async with self._changed:
+            self._aborted.add(prefix + "/")
+            self._changed.notify_all()
+
+    async def get(self, key: str, timeout_s: float) -> bytes | None:
+        """``key``'s value once it is set; None if it is not within ``timeout_s``."""
+        if await self._until([key], lambda: key in self._values, timeout_s):
+            return self._values[key]
+        return None
+
+    async def wait(self, keys: list[str], timeout_s: float) -> dict[str, bytes] | None:
+        """The values of ``keys`` once every one is set (a rank's ``get`` of them usually follows: it saves
+        those calls); None if they are not all set within ``timeout_s``."""
+        if await self._until(keys, lambda: all(key in self._values for key in keys), timeout_s):
+            return {key: self._values[key] for key in keys}
+        return None
+
+    async def add(self, key: str, amount: int) -> int:
+        value = int(self._values.get(key, b"0")) + amount
+        await self._store(key, str(value).encode())
+        return value
+
+    async def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """``desired`` if it was set (``key`` held ``expected``, or was missing and ``expected`` is empty),
+        else what ``key`` holds (``expected`` if it is missing)."""
+        current = self._values.get(key)
+        if current == expected or (current is None and expected == b""):
+            await self._store(key, desired)
+            return desired
+        return expected if current is None else current
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self._values for key in keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._values.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        return len(self._values)
+
+    def list_keys(self) -> list[str]:
+        return sorted(self._values)
+
+    async def _store(self, key: str, value: bytes) -> None:
+        async with self._changed:
+            self._values[key] = value
+            self._changed.notify_all()
+
+    async def _until(self, keys: list[str], ready: Callable[[], bool], timeout_s: float) -> bool:
+        def aborted() -> bool:
+            return any(key.startswith(prefix) for key in keys for prefix in self._aborted)
+
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: aborted() or ready()),
+                                       timeout=max(0.0, timeout_s))
+            except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError itself on Python 3.10
+                return False
+            if aborted():
+                raise RendezvousAborted(f"the rendezvous of {keys} was called off: a member was lost while the "
+                                        "group formed")
+        return True
+
+
+def call_off_generation(keys: Any, store_prefix: str, generation: int) -> None:
+    """A member of the forming ``generation`` was lost: every wait on its keys in ``keys`` (the actor) ends now."""
+    keys.abort.remote(generation_prefix(store_prefix, generation))
+
+
+RendezvousKeys = ray.remote(num_cpus=0, max_restarts=0)(RendezvousKeysStore)
+"""The actor; it lives as long as the actor that created it (the Controller)."""
+
+
+def beside_this_process() -> dict:
+    """Actor options: on this process's node (the Controller's, which goes only with the Controller), in a
+    process that skips the training modules' imports (it needs none of them)."""
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                  soft=False),
+            "runtime_env": TRAINS_NOTHING}

@@ -1,0 +1,88 @@
+"""What the Controller observes of its workers: typed snapshots the policies decide from.
+
+``WorkerGroup.poll`` returns a ``GroupStatus``; ``actors.controller.policies`` turns it into decisions. Nothing
+here calls Ray, so a test builds these by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DONE_PHASES = frozenset({"finished", "stopped", "failed"})
+"""A worker reports its last step results with these phases: it is no longer polled in this generation."""
+
+
+@dataclass(frozen=True)
+class LostWorker:
+    """A worker the run lost: dead, hung, or unable to start."""
+
+    name: str
+    reason: str
+    rank: int | None = None
+    """Its rank in the last generation formed (None: it never had one)."""
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class MemberStatus:
+    """One member of the current generation, as last heard."""
+
+    name: str
+    phase: str = "training"
+    node_id: str = ""
+    silent_s: float = 0.0
+    """Since its last answer to a poll."""
+    step_running_s: float | None = None
+    """How long the step in flight has been running (None: none is)."""
+    error: str | None = None
+    """Its error with the full traceback (phase "failed")."""
+    error_cause: str | None = None
+    """"peer_lost" (a collective lost its peer) or "job" (the job itself raised)."""
+    dead: str | None = None
+    """Why its process is gone (None: it answers)."""
+
+
+@dataclass(frozen=True)
+class RankNews:
+    """What one member reported since the last poll: a ``WorkerStatus`` with its step results, events and
+    evaluations."""
+
+    rank: int
+    status: Any
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """One poll of the whole group."""
+
+    generation: int
+    members: tuple[MemberStatus, ...]
+    """In rank order."""
+    news: tuple[RankNews, ...] = ()
+    errors_for_s: float | None = None
+    """Since the first member reported an error in this generation (None: none has)."""
+    num_joining: int = 0
+    """Workers starting up to join."""
+    num_placeable: int = 0
+    """Further workers whose resources are reserved and ready now."""
+    num_joiners_ready: int = 0
+    """Joiners constructed and ready to come in at the next step boundary."""
+    draining: bool = False
+    """Members were asked to leave at the next step boundary."""
+    num_spares: int = 0
+    """Spares started (scaling.spare_workers), constructed or not."""
+    num_spares_ready: int = 0
+    """Spares constructed and idle, ready to come in at once."""
+    draining_nodes: dict[str, float | None] = field(default_factory=dict)
+    """Nodes Ray is draining (a preemption notice) -> when each goes (``time.time()`` seconds; None: unknown)."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def membership_change_ready(self) -> bool:
+        return self.draining or self.num_joiners_ready > 0

@@ -1,0 +1,138 @@
+"""The TrainWorker as the Controller starts and calls it: its spec, what it reports, the error of a hung
+training thread, and the Ray actor. Imports no torch: the actor builds its TrainWorker
+(actors/worker/train_worker.py) in the worker's own process, so the Controller's process, which starts workers,
+never imports the training modules.
+
+Example::
+
+    worker = TrainWorkerActor.options(name="raylastic:run:worker1", num_cpus=1).remote(spec)
+    report = ray.get(worker.join.remote(assignment))
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from raylastic.actors.processes.setup_hook import ProcessStart
+from raylastic.jobconfig import (
+    DataConfig,
+    EvalConfig,
+    FaultConfig,
+    JobConfig,
+    LinkConfig,
+    OptimConfig,
+    StrategyConfig,
+    TrainingConfig,
+    WorkloadConfig,
+)
+from raylastic.strategies.checkpoint_catalogue import CheckpointSettings
+from raylastic.strategies.group_assignment import GroupAssignment
+from raylastic.strategies.peer_restore import PeerRestorePlan, ShardCopy
+
+
+class TrainingThreadHung(RuntimeError):
+    """The step-loop thread did not end when asked: the Controller replaces this worker."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """Everything a worker needs to build its part of the job; each piece is its own config."""
+
+    workload: WorkloadConfig
+    training: TrainingConfig
+    optim: OptimConfig
+    strategy: StrategyConfig
+    data: DataConfig
+    eval: EvalConfig
+    use_gpu: bool
+    torch_threads: int
+    checkpointer: CheckpointSettings
+    profile_dir: str | None = None
+    """Where rank 0 writes its torch profiler trace when training.profile_steps > 0."""
+    balance: str = "auto"
+    """scaling.balance: "auto", the batch split follows the ranks' speeds; "off", even."""
+    straggler_factor: float = 4.0
+    """scaling.straggler_factor."""
+    link: LinkConfig = LinkConfig()
+    """An emulated slow link (tests and demos)."""
+
+    @classmethod
+    def for_job(cls, job: JobConfig, checkpointer: CheckpointSettings, profile_dir: str | None = None) -> WorkerSpec:
+        """The spec of ``job``'s workers (one torch thread per whole CPU of a worker's slot)."""
+        return cls(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
+                   data=job.data, eval=job.eval, use_gpu=job.scaling.use_gpu,
+                   torch_threads=max(1, int(job.scaling.cpus_per_worker)), checkpointer=checkpointer,
+                   profile_dir=profile_dir, balance=job.scaling.balance, straggler_factor=job.scaling.straggler_factor,
+                   link=job.link)
+
+
+@dataclass(frozen=True)
+class JoinReport:
+    node_id: str
+    step: int
+    """Committed optimizer steps this worker holds (its candidate state for the hand-over). A worker whose
+    state a hand-over left half-received has rebuilt it from the seed: 0."""
+    shard_copies: tuple[ShardCopy, ...] = ()
+    """Sharded strategies: the shards of an earlier generation's state this worker keeps in memory (its own,
+    and its buddy's), for ``plan_peer_restore``; none for a new worker, a replicated strategy, at step 0."""
+
+
+class TrainWorkerProcess:
+    """One worker's process: every call goes to its TrainWorker (actors/worker/train_worker.py has what each does)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.worker = importlib.import_module("raylastic.actors.worker.train_worker").TrainWorker(spec)
+
+    def pid(self) -> int:
+        return self.worker.pid()
+
+    def alive(self) -> bool:
+        return self.worker.alive()
+
+    def process_start(self) -> ProcessStart:
+        return self.worker.process_start()
+
+    def join(self, assignment: GroupAssignment) -> JoinReport:
+        return self.worker.join(assignment)
+
+    def sync_state(self, source_rank: int) -> int:
+        return self.worker.sync_state(source_rank)
+
+    def restore(self, path: str | None, step: int) -> str | None:
+        return self.worker.restore(path, step)
+
+    def restore_from_peers(self, plan: PeerRestorePlan) -> int:
+        return self.worker.restore_from_peers(plan)
+
+    def train(self, until_step: int, faults: tuple[FaultConfig, ...] = (), shares: tuple[int, ...] | None = None
+              ) -> None:
+        return self.worker.train(until_step, faults, shares)
+
+    def request_stop(self) -> None:
+        return self.worker.request_stop()
+
+    def poll(self, wait_s: float = 0.0, seen: int = -1) -> Any:
+        """The worker's WorkerStatus (actors/worker/mailbox.py)."""
+        return self.worker.poll(wait_s, seen)
+
+    def save_checkpoint(self) -> str:
+        return self.worker.save_checkpoint()
+
+    def full_state_dict(self, keep: bool = True) -> dict[str, Any] | None:
+        return self.worker.full_state_dict(keep)
+
+    def full_model_file(self, keep: bool = True) -> bytes | None:
+        return self.worker.full_model_file(keep)
+
+    def evaluate(self) -> dict[str, float]:
+        return self.worker.evaluate()
+
+    def memory(self) -> dict[str, int]:
+        return self.worker.memory()
+
+
+TrainWorkerActor = ray.remote(TrainWorkerProcess)

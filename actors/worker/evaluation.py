@@ -1,0 +1,76 @@
+"""Evaluation on every rank: the workload's ``evaluate`` and its ``eval_dataset`` spread over the group.
+
+``eval_step(model, batch)`` returns sums over the batch's samples; each rank evaluates a contiguous
+share of ``eval_dataset`` and the sums are all-reduced, so every rank ends with the same metrics
+(each sum divided by the samples evaluated). Every rank runs the same number of forward passes (a
+rank whose share is shorter repeats a batch and discards it): under zero3 each forward gathers
+parameters collectively, so no rank may skip one.
+
+Example::
+
+    evaluator = Evaluator(workload, batch_size=64, device=torch.device("cpu"))
+    metrics = evaluator.run(model)     # e.g. {"eval_loss": 1.93}; collective: call on every rank
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from raylastic.actors.data.batch_split import rank_slice
+from raylastic.actors.data.batches import fetch_batch, loader_inputs, to_device
+from raylastic.workloads.protocol import Workload
+
+
+class Evaluator:
+    def __init__(self, workload: Workload, *, batch_size: int, device: torch.device,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+        self.workload, self.batch_size, self.device, self.autocast = workload, batch_size, device, autocast
+        self.dataset = workload.eval_dataset() if hasattr(workload, "eval_dataset") else None
+        if self.dataset is not None:
+            self.source, self.collate = loader_inputs(self.dataset, getattr(workload, "collate", None))
+
+    def run(self, model: torch.nn.Module) -> dict[str, float]:
+        """The workload's ``evaluate(model)`` and the distributed ``eval_step`` metrics, in eval mode."""
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.autocast():
+                metrics = dict(self.workload.evaluate(model)) if hasattr(self.workload, "evaluate") else {}
+                if self.dataset is not None:
+                    metrics.update(self._distributed(model))
+        finally:
+            model.train(was_training)
+        return metrics
+
+    def _distributed(self, model: torch.nn.Module) -> dict[str, float]:
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        total = len(self.dataset)
+        if total >= world_size:
+            start, stop = rank_slice(total, rank, world_size)
+            longest_share = math.ceil(total / world_size)
+        else:  # fewer samples than ranks: rank 0 takes them all
+            start, stop, longest_share = 0, total if rank == 0 else 0, total
+        rounds = math.ceil(longest_share / self.batch_size)
+        names: list[str] | None = None
+        sums: torch.Tensor | None = None
+        for number in range(rounds):
+            indices = list(range(start + number * self.batch_size, min(stop, start + (number + 1) * self.batch_size)))
+            counted = bool(indices)
+            batch = fetch_batch(self.source, self.collate, indices or [0])
+            result = self.workload.eval_step(model, to_device(batch, self.device))
+            names = names or sorted(result)
+            values = torch.tensor([float(result[name]) for name in names] + [len(indices)], dtype=torch.float64)
+            sums = (values if counted else torch.zeros_like(values)) + (0 if sums is None else sums)
+        if sums is None:
+            raise ValueError("workload.eval_dataset() is empty")
+        if world_size > 1:
+            reduced = sums.to(self.device)
+            dist.all_reduce(reduced)
+            sums = reduced.cpu()
+        count = sums[-1].item()
+        return {name: sums[i].item() / count for i, name in enumerate(names)}

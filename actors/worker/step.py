@@ -1,0 +1,213 @@
+"""One training step, the same math at every world size.
+
+Each rank runs forward/backward over its slice of the global batch in micro-batches (only the
+last one communicates); the slices may differ in size (``split``: shares by speed, actors/data/balance.py).
+The workload's ``training_step`` returns a micro-batch's mean loss; it is weighted by the
+micro-batch's samples times world_size / B, because DDP and FSDP average gradients over ranks: the
+result is the gradient of the mean loss over the global batch, however the batch is split. Before each
+micro-batch the RNG is seeded from the run seed, the step and the micro-batch's position in the
+global batch, so dropout masks are a function of the data order, not of the process. The step sets
+the scheduled lr, measures (and optionally clips) the global gradient norm and commits (the optimizer
+steps) once its gradient communication has completed on this rank; a peer lost before that fails
+the step, which is then discarded. A step makes no collective of its own besides the gradients' (and,
+under FSDP, the norm's): it reports this rank's summed loss and sample count, and the Controller sums
+them over the ranks; stopping at a common step boundary is actors/worker/stop_vote.py's job.
+
+A step whose gradient norm is inf/NaN (training.on_nonfinite) is skipped, or fails the run, on every
+rank alike without a collective of its own: after the gradient reduction every strategy holds the same
+gradients on every rank, so the norm is the same everywhere, and a NaN loss on one rank makes it NaN.
+Under fp16 an inf/NaN gradient is the loss scaler's overflow signal instead: it skips the step and
+lowers the scale; only a non-finite loss then counts.
+
+With an emulated slow link (``link:``, strategies/emulated_link.py) a step that sent bytes ends with a
+sleep of what they would take on it, after its communication: the step takes longer, its math is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from raylastic.actors.data.batch_split import BatchSplit
+from raylastic.actors.data.batches import planned_batches, to_device
+from raylastic.actors.data.compute_clock import ComputeClock
+from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
+from raylastic.actors.worker.mailbox import StepResult
+from raylastic.actors.worker.optimizer_recipe import clip_gradients, learning_rate, set_learning_rate
+from raylastic.jobconfig import DataConfig, OptimConfig
+from raylastic.strategies.base import Strategy, TrainState
+from raylastic.strategies.emulated_link import EmulatedLink
+from raylastic.workloads.protocol import Workload
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm is inf/NaN and training.on_nonfinite is "fail" (an error of the job)."""
+
+
+@dataclass
+class StepRunner:
+    """Runs step k of the global sample order on the current group."""
+
+    workload: Workload
+    order: GlobalSampleOrder
+    strategy: Strategy
+    micro_batch_size: int | None
+    device: torch.device
+    optim: OptimConfig
+    total_steps: int
+    """training.steps: the length of the lr schedule."""
+    seed: int = 0
+    record_samples: bool = False
+    precision: str = "fp32"
+    scaler: torch.amp.GradScaler | None = None
+    """fp16 only: dynamic loss scaling (its state lives across steps and generations)."""
+    on_nonfinite: Literal["fail", "skip"] = "fail"
+    """training.on_nonfinite: what an inf/NaN step does (NonFiniteStep, or a skipped update)."""
+    dataset: Dataset | None = None
+    """Where ``run`` fetches a step's batches when it is given none (tests, benchmarks)."""
+    split: BatchSplit | None = None
+    """How each step's global batch is split over the ranks (None: evenly over the current group)."""
+    clock: ComputeClock | None = None
+    """Measures each step's compute time (None: the step's duration stands for it)."""
+    link: EmulatedLink | None = None
+    """An emulated slow link: each step that sent bytes sleeps what they take on it (None: none)."""
+    _unthrottled_compute_s: float = field(default=0.0, init=False, repr=False)
+    """The last step's compute time less its throttle: what a throttle multiplies."""
+
+    def current_split(self) -> BatchSplit:
+        if self.split is not None and self.split.world_size == dist.get_world_size():
+            return self.split
+        return BatchSplit.even(self.order.global_batch_size, dist.get_world_size())
+
+    def batches(self, dataset: Dataset, first_step: int, until_step: int, data: DataConfig | None = None
+                ) -> Iterator[Any]:
+        """This rank's micro-batches of steps [first_step, until_step) in the current group, collated by the
+        workload's ``collate`` (if it has one), for ``run``."""
+        return planned_batches(dataset, self.order, split=self.current_split(), rank=dist.get_rank(),
+                               first_step=first_step, until_step=until_step, micro_batch_size=self.micro_batch_size,
+                               collate=getattr(self.workload, "collate", None), data=data or DataConfig(),
+                               pin_memory=self.device.type == "cuda")
+
+    def run(self, state: TrainState, step_index: int, batches: Iterator[Any] | None = None,
+            throttle: float = 1.0, before_reduction: Callable[[], None] | None = None) -> StepResult:
+        """Train on step ``step_index`` (0-based), its micro-batches taken from ``batches`` (this rank's,
+        in order: ``self.batches``; None: fetched from ``self.dataset`` now), and commit it; collectives fail
+        if a peer is lost. ``throttle`` > 1 makes this rank's compute take that many times as long (a test's
+        or demo's slow rank: faults ``throttle``). ``before_reduction`` is called before the backward that
+        reduces the gradients: what every rank must have done before any rank can commit this step."""
+        started = time.perf_counter()
+        if self.clock is not None:
+            self.clock.start()
+        if throttle > 1:
+            time.sleep((throttle - 1) * self._unthrottled_compute_s)
+        slept = time.perf_counter() - started
+        if batches is None:
+            batches = self.batches(self.dataset, step_index, step_index + 1)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        split = self.current_split()
+        indices = self.order.split_indices(step_index, split, rank)
+        # Averaged gradients (DDP, FSDP): weights that make the average the global batch's mean; a rank stepping
+        # on its own gradient (diloco): its own mean.
+        weight = world_size / self.order.global_batch_size if self.strategy.averages_gradients else 1 / len(indices)
+        position = split.bounds(rank)[0]
+        chunks = micro_batches(indices, micro_batch_count(split, self.micro_batch_size))
+        loss_sum: torch.Tensor | None = None
+        lr = learning_rate(step_index, self.optim, self.total_steps)
+        set_learning_rate(state.optimizer, lr)
+        state.optimizer.zero_grad(set_to_none=True)
+        for number, chunk in enumerate(chunks):
+            batch = to_device(next(batches), self.device)
+            seed_rng(step_seed(self.seed, step_index, position), self.device)
+            samples = len(chunk) if number < len(indices) else 0  # 0: padding, for the same count on every rank
+            position += samples
+            last = number == len(chunks) - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync(state), self.autocast():
+                loss = self.workload.training_step(state.wrapped, batch)
+            samples_loss = loss.float() * samples
+            loss_sum = samples_loss.detach() if loss_sum is None else loss_sum + samples_loss.detach()
+            scaled = samples_loss * weight
+            if last and before_reduction is not None:
+                before_reduction()
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        backward_returned = time.perf_counter()
+        compute_s = self.clock.compute_s(backward_returned - started) if self.clock else backward_returned - started
+        self._unthrottled_compute_s = max(0.0, compute_s - slept)
+        consumed = self._gather_sample_ids(indices, split) if self.record_samples else None
+        if self.scaler is not None:
+            self.scaler.unscale_(state.optimizer)  # the norm and the clipping see the true gradients
+        grad_norm = clip_gradients(state.model.parameters(), self.optim.clip_grad_norm)
+        loss_value = loss_sum.item()
+        self._check_finite(step_index + 1, loss_value, grad_norm, rank)
+        if math.isfinite(grad_norm) or self.scaler is not None:
+            skipped = self._optimizer_step(state.optimizer)
+        else:  # on_nonfinite=skip: no rank steps (all see this norm); the step still counts
+            state.optimizer.zero_grad(set_to_none=True)
+            skipped = True
+        between_steps = self.strategy.after_step(state, step_index + 1, len(indices),
+                                                 last=step_index + 1 == self.total_steps)
+        traffic = state.comm.state.take_traffic() if state.comm else None
+        timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
+        bytes_sent = (traffic.bytes_sent if traffic else 0) + between_steps.bytes_sent
+        link_delay_s = self.link.delay_s(bytes_sent, messages=1 if bytes_sent else 0) if self.link else 0.0
+        if link_delay_s:
+            time.sleep(link_delay_s)
+        return StepResult(step=step_index + 1, loss_sum=loss_value, samples=len(indices),
+                          duration_s=time.perf_counter() - started, finished_at=time.time(),
+                          sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm, compute_s=compute_s,
+                          bytes_sent=bytes_sent,
+                          uncompressed_bytes=(traffic.uncompressed_bytes if traffic else 0)
+                          + between_steps.uncompressed_bytes,
+                          comm_s=timing.comm_s if timing else None,
+                          exposed_comm_s=timing.exposed_comm_s if timing else None, link_delay_s=link_delay_s)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+
+    def _check_finite(self, step: int, loss: float, grad_norm: float, rank: int) -> None:
+        """Raise NonFiniteStep (training.on_nonfinite=fail) for an inf/NaN loss on this rank, or an inf/NaN
+        gradient norm - unless fp16's scaler is there to skip that step as an overflow."""
+        overflow_is_handled = self.scaler is not None
+        if self.on_nonfinite == "skip" or (math.isfinite(loss) and (math.isfinite(grad_norm) or overflow_is_handled)):
+            return
+        raise NonFiniteStep(f"step {step}: the loss on rank {rank} is {loss} and the gradient norm is {grad_norm}; "
+                            "training.on_nonfinite=skip discards such steps instead of failing the run")
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step (through the loss scaler for fp16); True if the scaler skipped the step."""
+        if self.scaler is None:
+            optimizer.step()
+            return False
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() < scale_before
+
+    def _gather_sample_ids(self, indices: torch.Tensor, split: BatchSplit) -> tuple[int, ...]:
+        """Every rank's sample ids of this step, in rank order, as each rank reports them (the ledger)."""
+        padded = torch.full((max(split.sizes),), -1, dtype=torch.int64)
+        padded[: len(indices)] = indices
+        parts = [torch.empty_like(padded, device=self.device) for _ in range(split.world_size)]
+        dist.all_gather(parts, padded.to(self.device))
+        return tuple(i for part in parts for i in part.tolist() if i >= 0)
+
+
+def step_seed(seed: int, step: int, position: int) -> int:
+    """The RNG seed of the micro-batch that starts at ``position`` of step ``step``'s global batch."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + position) % 2**63
+
+
+def seed_rng(seed: int, device: torch.device) -> None:
+    """Seed the generators a forward on ``device`` draws from (torch.manual_seed seeds every backend: ~50 us)."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)  # the current device's generator

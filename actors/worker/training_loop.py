@@ -1,0 +1,216 @@
+"""A worker's step loop, in a thread of its own so that the actor keeps answering ``poll`` while it trains.
+
+Each step: the injected faults of the step, a stop vote when one is due, the step itself, its
+result to the status mailbox, the buddy copy of the sharded state (strategies/buddy_copy.py), the
+profiler, a periodic save and a periodic evaluation. The hang watchdog (failure.max_step_s) sees the
+step and the work at its boundary, a save included. With
+``balance`` on, each vote also hands every rank's compute rate to every rank, and the batch split
+follows them (actors/data/balance.py): a new split takes effect at the step after the vote, on every rank.
+The loop ends at ``until_step`` ("finished"), after a stop vote ("stopped") or on an error ("failed",
+with its cause)::
+
+    loop = TrainingLoop(runner=runner, dataset=dataset, evaluator=evaluator, saver=saver, status=status,
+                        device=device, training=spec.training, data=spec.data, eval=spec.eval,
+                        balance=BalanceSettings(enabled=True, straggler_factor=4.0, node_id=node))
+    loop.start(state, until_step=100, injector=FaultInjector(faults, on_ray_kill=...))
+    loop.request_stop()                 # every rank stops after the same step
+    loop.leave(collective_timeout_s=60)  # before joining another group; raises TrainingThreadHung
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from raylastic.actors.data.balance import Balancer
+from raylastic.actors.faults.plan import FaultInjector
+from raylastic.actors.status.peer_loss import is_peer_loss
+from raylastic.actors.status.run import Event
+from raylastic.actors.worker.actor import TrainingThreadHung
+from raylastic.actors.worker.evaluation import Evaluator
+from raylastic.actors.worker.mailbox import StatusMailbox
+from raylastic.actors.worker.saver import AsyncSaver
+from raylastic.actors.worker.step import StepRunner
+from raylastic.actors.worker.stop_vote import StopVote
+from raylastic.jobconfig import DataConfig, EvalConfig, TrainingConfig
+from raylastic.strategies.base import TrainState
+from raylastic.strategies.buddy_copy import BuddyCopies
+from raylastic.strategies.process_group import abort_group
+
+LOOP_EXIT_GRACE_S = 5.0
+"""Beyond the collective timeout: how long a leaving loop thread may take to give up on its peers."""
+
+
+@dataclass(frozen=True)
+class BalanceSettings:
+    enabled: bool = False
+    """scaling.balance=auto: the split follows the ranks' measured speeds."""
+    straggler_factor: float = 4.0
+    node_id: str = ""
+    """This worker's node, named in its ``straggler`` event."""
+
+
+class RateMeter:
+    """Samples and compute seconds since the last vote: this rank's rate to cast."""
+
+    def __init__(self) -> None:
+        self.samples, self.compute_s = 0, 0.0
+
+    def add(self, samples: int, compute_s: float) -> None:
+        self.samples += samples
+        self.compute_s += compute_s
+
+    def take(self) -> float:
+        rate = self.samples / self.compute_s if self.compute_s > 0 else 0.0
+        self.samples, self.compute_s = 0, 0.0
+        return rate
+
+
+class TrainingLoop:
+    def __init__(self, *, runner: StepRunner, dataset: Dataset, evaluator: Evaluator, saver: AsyncSaver,
+                 status: StatusMailbox, device: torch.device, training: TrainingConfig, data: DataConfig,
+                 eval: EvalConfig, profile_dir: str | None = None, balance: BalanceSettings = BalanceSettings()
+                 ) -> None:
+        self.runner = runner
+        self.dataset = dataset
+        self.evaluator = evaluator
+        self.saver = saver
+        self.status = status
+        self.device = device
+        self.training = training
+        self.data = data
+        self.eval = eval
+        self.profile_dir = profile_dir
+        """Where rank 0 writes its torch profiler trace when training.profile_steps > 0."""
+        self.balance = balance
+        self._stop_requested = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._profiled = False
+
+    def start(self, state: TrainState, until_step: int, injector: FaultInjector,
+              copies: BuddyCopies | None = None) -> None:
+        """Start the thread; it trains ``state`` until ``until_step``, a stop vote, or an error. ``copies``: the
+        generation's buddy exchange of the sharded state (one each step)."""
+        self.wait(timeout_s=0.0)
+        self.status.set_phase("training")
+        self._thread = threading.Thread(target=self._run, args=(state, until_step, injector, copies),
+                                        name="step-loop", daemon=True)
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        """Vote to stop at a step boundary (the next vote's, ~actors.worker.stop_vote.VOTE_PERIOD_S away)."""
+        self._stop_requested.set()
+
+    def forget_stop_request(self) -> None:
+        self._stop_requested.clear()
+
+    def leave(self, collective_timeout_s: float) -> None:
+        """Before this worker leaves its group: let the thread end. One stuck in a collective of the broken
+        generation is made to raise (NCCL) and has the collective timeout to give up on its peers."""
+        if self._thread is not None:
+            self._thread.join(LOOP_EXIT_GRACE_S)  # a loop that stopped at a step boundary is ending anyway
+            if self._thread.is_alive():
+                abort_group()  # NCCL: the loop is stuck in the broken generation's collective; make it raise now
+        self.wait(timeout_s=collective_timeout_s + LOOP_EXIT_GRACE_S)
+
+    def wait(self, timeout_s: float) -> None:
+        """Let the thread end; one still running after ``timeout_s`` is hung (in user code, or in a
+        collective its peers left), and this worker cannot join another group beside it."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TrainingThreadHung(f"the training thread is still running {timeout_s:.0f}s after it was "
+                                         f"asked to end (phase {self.status.phase}, step {self.status.step})")
+            self._thread = None
+
+    def _run(self, state: TrainState, until_step: int, injector: FaultInjector, copies: BuddyCopies | None) -> None:
+        try:
+            with self._profiler() as profiler:
+                self._steps(state, until_step, injector, profiler, copies)
+        except BaseException as error:  # noqa: BLE001 - any failure is reported (DCP's errors are BaseExceptions)
+            cause = "peer_lost" if is_peer_loss(error) else "job"
+            self.status.set_phase("failed", f"{type(error).__name__}: {error}\n{traceback.format_exc()}", cause)
+
+    def _steps(self, state: TrainState, until_step: int, injector: FaultInjector, profiler: Any,
+               copies: BuddyCopies | None) -> None:
+        status, compiling = self.status, self.training.compile
+        strategy, scaler = self.runner.strategy, self.runner.scaler
+        balancer = (Balancer(self.runner.current_split(), self.balance.straggler_factor)
+                    if self.balance.enabled and dist.get_world_size() > 1 else None)
+        vote = StopVote(first_step=status.step, device=self.device, share_rates=balancer is not None)
+        meter = RateMeter()
+        batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
+        if copies is not None:
+            copies.start(strategy, state, scaler, status.step)  # the state this generation starts from
+        while status.step < until_step:
+            injector.before_step(status.step + 1)
+            step_index = status.step
+            voting = vote.due(step_index)
+            if voting:
+                vote.open(step_index, stop=self._stop_requested.is_set(), rate=meter.take())
+            with status.step_in_flight():
+                result = self.runner.run(state, step_index, batches, throttle=injector.throttle_factor(step_index + 1),
+                                         before_reduction=copies.finish if copies is not None else None)
+            meter.add(result.samples, result.compute_s)
+            # torch.compile compiles lazily, in the generation's first step
+            status.commit(result, Event("compiled", result.step, details={"first_step_s": round(result.duration_s, 3)})
+                          if compiling else None)
+            compiling = False
+            with status.step_in_flight():  # the hang watchdog sees the boundary's work too (a save on a dead mount)
+                if copies is not None:
+                    copies.start(strategy, state, scaler, status.step)
+                # Only now: the optimizer has stepped, so a vote that fails (a peer lost since its gradients
+                # arrived) must find the step counted, or the next generation would train this step again.
+                stop = vote.close(step_index) if voting else False
+                if voting and balancer is not None and self._rebalance(balancer, vote.rates):
+                    batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
+                if profiler is not None:
+                    profiler.step()
+                self.saver.after_step(status.step)
+            if self.eval.every_steps and status.step % self.eval.every_steps == 0 and status.step < self.training.steps:
+                self._evaluate_periodically(state)  # every rank reaches this step: the last one is _finish's
+            if stop:
+                status.set_phase("stopped")
+                return
+        status.set_phase("finished")
+
+    def _rebalance(self, balancer: Balancer, rates: tuple[float, ...]) -> bool:
+        """Take a vote's rates; True when the split changes from the next step on (the same on every rank)."""
+        decision = balancer.decide(rates)
+        rank = dist.get_rank()
+        if rank in decision.stragglers:
+            others = statistics.median(r for i, r in enumerate(balancer.rates) if i != rank)
+            self.status.post_event(Event("straggler", self.status.step, details={
+                "rank": rank, "node_id": self.balance.node_id,
+                "speed_vs_median": round(balancer.rates[rank] / others, 3)}))
+        if decision.split is None:
+            return False
+        self.runner.split = decision.split
+        if rank == 0:
+            self.status.post_event(Event("shares_changed", self.status.step, details={
+                "shares": list(decision.split.sizes), "rates": [round(r, 1) for r in balancer.rates]}))
+        return True
+
+    def _evaluate_periodically(self, state: TrainState) -> None:
+        metrics = self.evaluator.run(state.model)
+        if dist.get_rank() == 0:
+            self.status.post_evaluation({"step": self.status.step, "time": time.time(), **metrics})
+
+    def _profiler(self) -> contextlib.AbstractContextManager:
+        """Rank 0 traces ``training.profile_steps`` steps once per run (after 1 wait + 1 warm-up step)."""
+        steps = self.training.profile_steps
+        if not steps or self._profiled or dist.get_rank() != 0 or self.profile_dir is None:
+            return contextlib.nullcontext()
+        self._profiled = True
+        schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1)
+        return torch.profiler.profile(schedule=schedule,
+                                      on_trace_ready=torch.profiler.tensorboard_trace_handler(self.profile_dir))

@@ -1,0 +1,210 @@
+"""Who is in the run: members of the current generation, workers starting up to join, and drains.
+
+New workers are started (actor created, model built) while the current generation keeps
+training; only once they are ready does the Controller stop the group at a step boundary to
+let them in, so a scale-up costs the group one re-formation, not the start-up time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from raylastic.actors.processes.setup_hook import TRAINS, WarmProcesses
+from raylastic.actors.status.peer_loss import plain_error
+from raylastic.actors.worker.actor import TrainWorkerActor, WorkerSpec
+from raylastic.actors.worker_group.placement import ReservedSlots, WorkerSlots
+from raylastic.jobconfig.naming import worker_name
+
+
+@dataclass(frozen=True)
+class StartFailure:
+    """A new worker whose actor could not be constructed (its workload, CUDA, an import failed where it was
+    placed)."""
+
+    worker: str
+    node_id: str
+    error: str
+
+
+class WorkersCannotStart(RuntimeError):
+    """failure.max_start_failures new workers in a row could not be constructed: the run cannot grow back."""
+
+
+@dataclass
+class Member:
+    actor: Any
+    slot: Any
+    name: str
+    node_id: str = ""
+    ready: Any = field(default=None, repr=False)
+    """ObjectRef that resolves once the actor is constructed (to its ProcessStart)."""
+    requested_at: float = 0.0
+    constructed: bool = False
+    warm: bool = False
+    """Whether it was constructed in a process started ahead, with the training modules imported."""
+
+
+class Membership:
+    def __init__(self, *, run_name: str, spec: WorkerSpec, slots: WorkerSlots | ReservedSlots, cpus: float, gpus: int,
+                 resources: dict[str, float], warm: WarmProcesses | None = None, max_start_failures: int = 3) -> None:
+        self.run_name = run_name
+        self.max_start_failures = max_start_failures
+        self.start_failures: list[StartFailure] = []
+        """New workers that could not be constructed, not yet reported (``take_start_failures``)."""
+        self._failed_starts_in_a_row = 0
+        self.spec = spec
+        self.slots = slots
+        self.warm = warm
+        self._actor_options = dict(num_cpus=cpus, num_gpus=gpus, resources=resources or None, max_restarts=0,
+                                   max_concurrency=2)
+        self.members: list[Member] = []
+        self.joining: list[Member] = []
+        self.spares: list[Member] = []
+        """Workers started and held idle (scaling.spare_workers), to join at once when one is needed."""
+        self.draining: dict[str, bool] = {}
+        """Members asked to leave at the next step boundary -> whether a replacement is asked for."""
+        self._spawned = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def changes_pending(self) -> bool:
+        """Slots asked for and not placed yet, workers starting up, or drains: something to check soon."""
+        return bool(self.joining or self.draining or self.slots.waiting)
+
+    def spawn(self, slots: list) -> list[Member]:
+        started = []
+        for slot in slots:
+            self._spawned += 1
+            name = worker_name(self.run_name, self._spawned)
+            actor = TrainWorkerActor.options(
+                name=name, scheduling_strategy=self.slots.scheduling(slot), runtime_env=TRAINS,
+                **self._actor_options).remote(self.spec)
+            started.append(Member(actor=actor, slot=slot, name=name, ready=actor.process_start.remote(),
+                                  requested_at=time.time()))
+        return started
+
+    def top_up(self, constructed: list[Member]) -> None:
+        """Workers were constructed: start a process ahead on each of their nodes, for the next worker there.
+        Not at spawn: a process started then may serve the spawn itself, and the one Ray started for it,
+        which Ray keeps idle only while the node has fewer processes than CPUs, be left instead."""
+        if self.warm is not None and constructed:
+            process = ray.get(constructed[0].ready)  # all of the run's workers share one runtime environment
+            self.warm.top_up({self.slots.node_of(member.slot) for member in constructed}, process.runtime_env)
+
+    def add_joiners(self, count: int, *, timeout_s: float = 0.0) -> int:
+        """Start up to ``count`` new workers on slots that are ready (waiting up to ``timeout_s`` for
+        all of them); returns how many started."""
+        joiners = self.spawn(self.slots.take_ready(count, at_least=count, timeout_s=timeout_s))
+        self.joining += joiners
+        return len(joiners)
+
+    def add_spares(self, count: int) -> int:
+        """Start up to ``count`` spares on slots that are ready now; returns how many started."""
+        spares = self.spawn(self.slots.take_ready(count))
+        self.spares += spares
+        return len(spares)
+
+    def ready_spares(self) -> list[Member]:
+        """Spares whose actor is constructed; a spare that died is dropped and its slot asked for again."""
+        return self._constructed(self.spares)
+
+    def promote_spares(self, count: int) -> list[Member]:
+        """Up to ``count`` constructed spares become joiners, ready to come in at once."""
+        promoted = self.ready_spares()[:count]
+        self.spares = [m for m in self.spares if m not in promoted]
+        self.joining += promoted
+        return promoted
+
+    def ready_joiners(self) -> list[Member]:
+        """Joiners whose actor is constructed; a joiner that died starting is dropped and replaced."""
+        return self._constructed(self.joining)
+
+    def _constructed(self, starting: list[Member]) -> list[Member]:
+        """Of ``starting`` (joiners or spares), those constructed; one that died is dropped from the list and
+        its slot asked for again. Raises WorkersCannotStart when failure.max_start_failures in a row could not
+        be constructed."""
+        if not starting:
+            return []
+        ready, _ = ray.wait([m.ready for m in starting], num_returns=len(starting), timeout=0)
+        constructed = []
+        for member in [m for m in starting if m.ready in ready]:
+            try:
+                member.warm = ray.get(member.ready).warm(member.requested_at)
+                constructed.append(member)
+                self._failed_starts_in_a_row = 0
+            except RayActorError as error:
+                starting.remove(member)
+                if error.actor_init_failed:
+                    self._start_failed(member, error)
+                self.remove(member, replace=True)
+        self.top_up([m for m in constructed if not m.constructed])
+        for member in constructed:
+            member.constructed = True
+        return constructed
+
+    def _start_failed(self, member: Member, error: RayActorError) -> None:
+        failure = StartFailure(member.name, self.slots.node_of(member.slot), plain_error(error))
+        self.start_failures.append(failure)
+        self._failed_starts_in_a_row += 1
+        if self._failed_starts_in_a_row >= self.max_start_failures:
+            raise WorkersCannotStart(f"{self._failed_starts_in_a_row} new workers in a row could not start "
+                                     f"(failure.max_start_failures={self.max_start_failures}); the last, "
+                                     f"{failure.worker} on node {failure.node_id}: {failure.error}")
+
+    def take_start_failures(self) -> list[StartFailure]:
+        """The start failures since the last call."""
+        taken, self.start_failures = self.start_failures, []
+        return taken
+
+    def wait_for_joiners(self, timeout_s: float) -> list[Member]:
+        if self.joining:
+            ray.wait([m.ready for m in self.joining], num_returns=len(self.joining), timeout=timeout_s)
+        return self.ready_joiners()
+
+    def admit(self, joiners: list[Member]) -> None:
+        self.joining = [m for m in self.joining if m not in joiners]
+        self.members += joiners
+
+    def drain(self, names: set[str], *, replace: bool = False) -> None:
+        """``names`` leave at the next step boundary; with ``replace``, a slot is asked for each (a node
+        being taken away: the run should grow back elsewhere)."""
+        self.draining |= dict.fromkeys(names & {m.name for m in self.members}, replace)
+
+    def undrain(self, names: set[str]) -> None:
+        """A drain called off before the boundary: those members stay."""
+        for name in names:
+            self.draining.pop(name, None)
+
+    def remove_drained(self) -> list[Member]:
+        """Members asked to leave: removed now, at a step boundary (replaced if the drain asked for it)."""
+        leaving = [m for m in self.members if m.name in self.draining]
+        for member in leaving:
+            self.members.remove(member)
+            self.remove(member, replace=self.draining[member.name])
+        self.draining.clear()
+        return leaving
+
+    def drop(self, member: Member) -> None:
+        """A member that failed: removed, and a slot requested for its replacement."""
+        if member in self.members:
+            self.members.remove(member)
+        self.remove(member, replace=True)
+
+    def remove(self, member: Member, *, replace: bool) -> None:
+        ray.kill(member.actor, no_restart=True)
+        self.slots.release(member.slot)
+        if replace:
+            self.slots.request(1)
+
+    def shutdown(self) -> None:
+        for member in self.members + self.joining + self.spares:
+            self.remove(member, replace=False)
+        self.members, self.joining, self.spares = [], [], []
+        self.slots.release_pending()
