@@ -56,7 +56,7 @@ from benchmarks import _recovery_changes as changes
 from benchmarks import _recovery_helpers as helpers
 from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray
 from raylastic.actors.controller.controller import RunFailed
-from raylastic.actors.processes.setup_hook import WarmProcesses
+from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process
 from raylastic.actors.status.run import Event
 from raylastic.jobconfig import load_job_config

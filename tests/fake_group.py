@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 from raylastic.actors.controller.controller import Controller
 from raylastic.actors.controller.states import Failed, Finished, Stopped
 from raylastic.actors.status.group import GroupStatus, LostWorker, MemberStatus, RankNews
+from raylastic.actors.status.worker import StepResult, WorkerStatus
 from raylastic.actors.worker.actor import JoinReport
-from raylastic.actors.worker.mailbox import StepResult, WorkerStatus
 from raylastic.actors.worker_group.group import MembersFailed
 from raylastic.strategies.build import build_strategy
 from raylastic.strategies.checkpoint_manifest import CheckpointManifest, write_manifest

@@ -1,12 +1,21 @@
-"""What each side of the house may import. The Controller's side (the state machine, the worker group, the
-checkpoint catalogue, the worker actor's interface) imports no torch, and a run's Controller process never does,
-the final model included: its process starts every run, and torch with what the workers import costs ~3 s of CPU
-per process."""
+"""What each part of the house may import.
+
+- The packages are layered: each imports only those before it in ``PACKAGE_LAYERS``.
+- Each role folder of ``actors/`` imports only the roles its docstring's "May import (of actors/):" line names
+  (a role, or one module of it as ``role.module``), and those lines name no circle of roles.
+- No module imports itself back through others at import time (no import circles).
+- The Controller's side (the state machine, the worker group, the checkpoint catalogue, the worker actor's
+  interface) imports no torch, and a run's Controller process never does, the final model included: its process
+  starts every run, and torch with what the workers import costs ~3 s of CPU per process."""
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
 
 import pytest
 import ray
@@ -19,6 +28,98 @@ from raylastic.jobconfig.naming import controller_name
 from tests.conftest import REPO_ROOT
 from tests.helpers import job, load_model
 from tests.process_imports import training_imports
+
+PACKAGE_LAYERS = ("jobconfig", "workloads", "strategies", "actors", "cluster", "tuning")
+ACTORS = REPO_ROOT / "actors"
+ROLE_RULE = re.compile(r"May import \(of actors/\): (.+?)\.\n")
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of the package, by its dotted name (``raylastic.actors.worker.step``)."""
+    files = {}
+    for package in PACKAGE_LAYERS:
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            files[".".join(("raylastic", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    return files
+
+
+MODULES = _module_files()
+
+
+def _imports(path: Path, *, at_import_time: bool) -> set[str]:
+    """The raylastic modules ``path`` imports: anywhere in it, or only where its import runs them (not inside a
+    function, not under ``if TYPE_CHECKING``)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names
+                         if f"{node.module}.{alias.name}" in MODULES)
+        elif at_import_time and (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+                isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test))):
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {name for name in found if name.startswith("raylastic.")}
+
+
+def _role_rules() -> dict[str, set[str]]:
+    rules = {}
+    for init in sorted(ACTORS.glob("*/__init__.py")):
+        rule = ROLE_RULE.search(init.read_text())
+        assert rule, f"{init.relative_to(REPO_ROOT)}'s docstring says nothing of what it may import"
+        allowed = [entry.strip() for entry in re.sub(r"\s*\([^)]*\)", "", rule.group(1)).split(",")]
+        rules[init.parent.name] = set() if allowed == ["nothing"] else set(allowed)
+    return rules
+
+
+def test_each_package_imports_only_the_packages_below_it():
+    for module, path in MODULES.items():
+        own = module.split(".")[1]
+        below = PACKAGE_LAYERS[:PACKAGE_LAYERS.index(own)]
+        wrong = {name for name in _imports(path, at_import_time=False) if name.split(".")[1] not in (own, *below)}
+        assert not wrong, f"{path.relative_to(REPO_ROOT)} imports {sorted(wrong)}; {own} may import {below}"
+
+
+def test_each_actor_role_imports_only_what_its_docstring_allows():
+    rules = _role_rules()
+    assert {folder.name for folder in ACTORS.iterdir() if (folder / "__init__.py").exists()} == set(rules)
+    assert not [path.name for path in ACTORS.glob("*.py") if path.name != "__init__.py"], "a module outside a role"
+    for module, path in MODULES.items():
+        parts = module.split(".")
+        if parts[1] != "actors" or len(parts) < 3:
+            continue
+        role, allowed = parts[2], rules[parts[2]]
+        for name in _imports(path, at_import_time=False):
+            target = name.split(".")
+            if target[1] != "actors" or len(target) < 3 or target[2] == role:
+                continue
+            assert target[2] in allowed or ".".join(target[2:4]) in allowed, (
+                f"{path.relative_to(REPO_ROOT)} imports {name}; {role}/ may import {sorted(allowed) or 'nothing'}")
+
+
+def test_the_roles_allowed_imports_form_no_circle():
+    rules = {role: {entry.split(".")[0] for entry in allowed} for role, allowed in _role_rules().items()}
+    try:
+        order = list(TopologicalSorter(rules).static_order())
+    except CycleError as circle:
+        pytest.fail(f"the roles' rules name a circle: {circle.args[1]}")
+    assert set(order) == set(rules)
+
+
+def test_no_module_imports_itself_back_at_import_time():
+    graph = {module: _imports(path, at_import_time=True) & set(MODULES) for module, path in MODULES.items()}
+    try:
+        list(TopologicalSorter(graph).static_order())
+    except CycleError as circle:
+        pytest.fail(f"an import circle: {' -> '.join(circle.args[1])}")
+
 
 CONTROLLER_SIDE = ("raylastic.actors.controller.controller", "raylastic.actors.worker.actor",
                    "raylastic.actors.rendezvous.keys", "raylastic.strategies.checkpoint_catalogue",

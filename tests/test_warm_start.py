@@ -13,7 +13,8 @@ import psutil
 import pytest
 import ray
 
-from raylastic.actors.processes.setup_hook import ProcessStart, WarmProcesses
+from raylastic.actors.processes.setup_hook import ProcessStart
+from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name
 from tests.conftest import REPO_ROOT

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from raylastic.actors.status.run import Event, EventType
 
 if TYPE_CHECKING:
-    from raylastic.actors.worker.mailbox import StepResult
+    from raylastic.actors.status.worker import StepResult
 
 
 @dataclass(frozen=True)

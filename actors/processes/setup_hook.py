@@ -6,9 +6,9 @@ mechanisms take all but the last off the path of a replacement or a joiner:
 
 - ``import_training_modules`` is the job's ``worker_process_setup_hook`` (``cluster.connect.job_runtime_env``):
   every process Ray starts for the job imports them before it takes work.
-- ``WarmProcesses`` asks a node's raylet to start a process for the job ahead of the next worker placed
-  there (Ray's ``PrestartWorkers``, which keeps it idle for ``keep_alive_s``). Ray gives an idle process of the
-  workers' runtime environment to the next actor placed on that node.
+- ``WarmProcesses`` (actors/processes/warm_processes.py) asks a node's raylet to start a process for the job
+  ahead of the next worker placed there (Ray's ``PrestartWorkers``, which keeps it idle for ``keep_alive_s``).
+  Ray gives an idle process of the workers' runtime environment to the next actor placed on that node.
 
 The Controller and the rendezvous keys train nothing: they run with ``TRAINS_NOTHING``, whose processes skip
 the hook's imports (~1 s of CPU each, for torch._dynamo alone). Ray merges a parent's env_vars into its
@@ -17,6 +17,7 @@ children's, so every actor the Controller starts that trains is started with ``T
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import time
@@ -27,9 +28,11 @@ import ray
 logger = logging.getLogger(__name__)
 
 SETUP_HOOK = "raylastic.actors.processes.setup_hook.import_training_modules"
+AHEAD = ("torch._dynamo", "raylastic.actors.worker.train_worker")
+"""What the hook imports: the first optimizer step's import (DTensor, sympy: the largest part), then the worker
+with all it imports. By name: this role sits below the worker's."""
 KEEP_ALIVE_S = 3600
 """How long a raylet keeps a started process idle for the job before it may reclaim it."""
-RPC_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,8 @@ def import_training_modules() -> None:
         return
     began_at = time.time()
     try:
-        import torch._dynamo  # noqa: F401 - the first optimizer step's import (DTensor, sympy): the largest part
-
-        import raylastic.actors.worker.train_worker  # noqa: F401
+        for module in AHEAD:
+            importlib.import_module(module)
     except Exception:  # noqa: BLE001 - Ray ends a process whose hook raises: this one can still serve, cold
         logger.warning("the training modules could not be imported ahead; workers here will start cold",
                        exc_info=True)
@@ -87,45 +89,3 @@ class ProcessStart:
     def warm(self, requested_at: float) -> bool:
         """Whether the process was ready, modules imported, before the actor was asked for."""
         return self.imported is not None and self.imported.done_at < requested_at
-
-
-class WarmProcesses:
-    """Keeps a process started ahead on the nodes where this run's workers start.
-
-    Ray's PrestartWorkers has no public API, so this calls the raylet's RPC; where that fails (an older or newer
-    Ray, a network policy), it says so once and workers start cold, as without it."""
-
-    def __init__(self, *, keep_alive_s: int = KEEP_ALIVE_S) -> None:
-        self.keep_alive_s = keep_alive_s
-        self._job_id = bytes.fromhex(ray.get_runtime_context().get_job_id())
-        self._raylets: dict[str, object] = {}
-        self._failed = False
-
-    def top_up(self, node_ids: set[str], runtime_env: str | None = None) -> None:
-        """Workers in ``runtime_env`` (ProcessStart.runtime_env; None: this process's) just started on
-        ``node_ids``: start one more process in it on each, for the next worker there."""
-        runtime_env = runtime_env if runtime_env is not None else ray.get_runtime_context().get_runtime_env_string()
-        for node_id in node_ids:
-            if self._failed:
-                return
-            try:
-                self._raylet(node_id).PrestartWorkers(self._request(runtime_env), timeout=RPC_TIMEOUT_S)
-            except Exception as error:  # noqa: BLE001 - an optimisation: without it, workers start cold
-                self._failed = True
-                logger.warning("cannot start warm processes for new workers (%s: %s); they will start cold",
-                               type(error).__name__, error)
-
-    def _request(self, runtime_env: str) -> object:
-        from ray.core.generated import common_pb2, node_manager_pb2, runtime_environment_pb2
-        return node_manager_pb2.PrestartWorkersRequest(
-            language=common_pb2.PYTHON, job_id=self._job_id, num_workers=1, keep_alive_duration_secs=self.keep_alive_s,
-            runtime_env_info=runtime_environment_pb2.RuntimeEnvInfo(serialized_runtime_env=runtime_env))
-
-    def _raylet(self, node_id: str) -> object:
-        if node_id not in self._raylets:
-            from ray._private.grpc_utils import init_grpc_channel
-            from ray.core.generated.node_manager_pb2_grpc import NodeManagerServiceStub
-            node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
-            address = f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}"
-            self._raylets[node_id] = NodeManagerServiceStub(init_grpc_channel(address))
-        return self._raylets[node_id]

@@ -40,7 +40,7 @@ from raylastic.actors.data.batch_split import BatchSplit
 from raylastic.actors.data.batches import planned_batches, to_device
 from raylastic.actors.data.compute_clock import ComputeClock
 from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
-from raylastic.actors.worker.mailbox import StepResult
+from raylastic.actors.status.worker import StepResult
 from raylastic.actors.worker.optimizer_recipe import clip_gradients, learning_rate, set_learning_rate
 from raylastic.jobconfig import DataConfig, OptimConfig
 from raylastic.strategies.base import Strategy, TrainState

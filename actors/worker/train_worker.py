@@ -41,9 +41,10 @@ from raylastic.actors.processes.allocator import keep_freed_memory
 from raylastic.actors.processes.priority import run_at_normal_priority
 from raylastic.actors.processes.setup_hook import ProcessStart
 from raylastic.actors.rendezvous.store import RayStore
+from raylastic.actors.status.worker import WorkerStatus
 from raylastic.actors.worker.actor import JoinReport, WorkerSpec
 from raylastic.actors.worker.evaluation import Evaluator
-from raylastic.actors.worker.mailbox import StatusMailbox, WorkerStatus
+from raylastic.actors.worker.mailbox import StatusMailbox
 from raylastic.actors.worker.optimizer_recipe import optimizer_factory
 from raylastic.actors.worker.saver import AsyncSaver
 from raylastic.actors.worker.step import StepRunner

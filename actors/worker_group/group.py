@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 
-from raylastic.actors.processes.setup_hook import WarmProcesses
+from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process, call_off_generation
 from raylastic.actors.status.group import GroupStatus, LostWorker
 from raylastic.actors.status.peer_loss import plain_error

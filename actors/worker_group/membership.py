@@ -14,7 +14,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from raylastic.actors.processes.setup_hook import TRAINS, WarmProcesses
+from raylastic.actors.processes.setup_hook import TRAINS
+from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.actors.status.peer_loss import plain_error
 from raylastic.actors.worker.actor import TrainWorkerActor, WorkerSpec
 from raylastic.actors.worker_group.placement import ReservedSlots, WorkerSlots
