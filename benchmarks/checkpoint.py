@@ -2,7 +2,7 @@
 
 Save and load: zero3 on the ~50M-parameter GPT (n_layer=8, n_head=8, n_embd=720, block_size=64),
 AdamW state after one training step (parameters + exp_avg + exp_avg_sq: 12 bytes x 50,073,120 =
-601 MB), in a gloo group of N local processes (tests/distributed_harness.py, no Ray), N = 2 and 4.
+601 MB), in a gloo group of N local processes (tests/support/distributed_harness.py, no Ray), N = 2 and 4.
 Each time is rank 0's, from a barrier before to a barrier after (so: until every rank is done):
 
 - dcp_save: ``Checkpointer.save`` as the worker calls it (sync): every rank writes its shard with
@@ -48,7 +48,7 @@ from pathlib import Path
 from benchmarks._checkpoint_ranks import ASYNC_BATCH, GPT_10M, MODES, PERIOD, async_cost_rank, save_and_load_rank
 from benchmarks.common import RESULTS, machine_info
 from raylastic.workloads.chargpt import CharGPT
-from tests.distributed_harness import run_distributed
+from tests.support.distributed_harness import run_distributed
 
 GOAL_ASYNC_OVERHEAD = 0.10
 

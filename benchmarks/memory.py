@@ -8,7 +8,7 @@ parameter), bytes per parameter held by each of N ranks:
 
 The chargpt GPT with n_layer=8, n_head=8, n_embd=720, block_size=64 (50,073,120 parameters; the
 lm head is tied to the token embedding and counted once) is set up with each strategy in a gloo
-group of N local processes (tests/distributed_harness.py, no Ray) and trained 2 steps (global batch
+group of N local processes (tests/support/distributed_harness.py, no Ray) and trained 2 steps (global batch
 N, micro-batch 1). On every rank we measure (model states only: activations are not counted):
 
 - resident: ``strategies.base.memory_breakdown`` after step 2 (gradients are still held: the step
@@ -46,7 +46,7 @@ from benchmarks._sharded_setup import GPT_50M, set_up
 from benchmarks.common import RESULTS, machine_info
 from raylastic.strategies.base import TrainState, memory_breakdown
 from raylastic.workloads.chargpt import CharGPT
-from tests.distributed_harness import run_distributed
+from tests.support.distributed_harness import run_distributed
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 NUM_PARAMETERS = CharGPT.num_parameters(**GPT_50M)

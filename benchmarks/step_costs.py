@@ -54,7 +54,7 @@ from raylastic.actors.worker.stop_vote import StopVote
 from raylastic.jobconfig import job_config_from_dict
 from raylastic.strategies.ddp import DDPStrategy
 from raylastic.workloads import load_workload
-from tests.distributed_harness import run_distributed
+from tests.support.distributed_harness import run_distributed
 
 VARIANTS = ("peer", "steprunner", "+vote", "-norm", "-seed", "-loader")
 """peer: benchmarks/_torchrun_ddp.py's step; steprunner: ours (actors.worker.step.StepRunner.run); +vote: ours

@@ -28,11 +28,11 @@ STARTS_RAY = frozenset({"ray_local", "local_ray", "head"})
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark ``unit`` every test that starts no Ray, no process group (tests/distributed_harness.py) and no
+    """Mark ``unit`` every test that starts no Ray, no process group (tests/support/distributed_harness.py) and no
     processes of its own (the ``processes`` marker): ``pytest -m unit`` runs them in seconds."""
     for item in items:
         module_values = vars(item.module).values() if getattr(item, "module", None) else ()
-        process_groups = any(getattr(value, "__module__", None) == "tests.distributed_harness"
+        process_groups = any(getattr(value, "__module__", None) == "tests.support.distributed_harness"
                              and getattr(value, "__name__", None) == "run_distributed" for value in module_values)
         if not (process_groups or item.get_closest_marker("processes")
                 or STARTS_RAY & set(getattr(item, "fixturenames", ()))):

@@ -11,7 +11,7 @@ from raylastic.actors.processes.allocator import keep_freed_memory
 pytestmark = pytest.mark.processes
 
 CHURN = ("import sys; from raylastic.actors.processes.allocator import keep_freed_memory; "
-         "from tests.memory_churn import page_faults_per_round; "
+         "from tests.support.memory_churn import page_faults_per_round; "
          "applied = keep_freed_memory() if sys.argv[1] == 'keep' else None; "
          "print(applied, page_faults_per_round())")
 

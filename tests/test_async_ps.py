@@ -19,7 +19,7 @@ from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_fa
 from raylastic.cluster.job import train
 from raylastic.jobconfig import OptimConfig, TrainingConfig, WorkloadConfig, load_job_config
 from raylastic.workloads import load_workload
-from tests.helpers import assert_states_close, job, load_model
+from tests.support.helpers import assert_states_close, job, load_model
 
 DIGITS_TRAIN_SAMPLES = 1437
 

@@ -17,7 +17,7 @@ from raylastic.actors.async_ps.checkpoints import complete_checkpoints
 from raylastic.actors.controller.controller import RunFailed
 from raylastic.cluster.job import train
 from raylastic.workloads.digits import Digits
-from tests.helpers import StoppedProcess, assert_states_close, job, load_model
+from tests.support.helpers import StoppedProcess, assert_states_close, job, load_model
 from tests.test_async_ps import applied_tickets
 
 ASYNC = ("strategy.name=async_ps", "strategy.server_cpus=0.5")

@@ -151,9 +151,9 @@ def test_tokenize_never_replaces_a_directory_holding_other_files(tmp_path, text_
 def test_a_run_on_an_empty_training_set_fails_at_the_start_naming_the_sizes(tmp_path):
     from raylastic.actors.controller.controller import RunFailed
     from raylastic.cluster.job import train
-    from tests.helpers import job
+    from tests.support.helpers import job
 
-    config = job("workload.name=tests.user_workload:Parity", "workload.options={num_samples: 0}",
+    config = job("workload.name=tests.support.user_workload:Parity", "workload.options={num_samples: 0}",
                  "scaling.min_workers=2", "scaling.max_workers=2", name="empty-data")
     with pytest.raises(RunFailed) as raised:
         train(config, run_dir=tmp_path / "run")

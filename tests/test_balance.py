@@ -22,8 +22,8 @@ from raylastic.actors.data.balance import (
 )
 from raylastic.actors.data.batch_split import BatchSplit
 from raylastic.actors.data.order import GlobalSampleOrder
-from tests.distributed_harness import run_distributed as run_on_ranks
-from tests.strategy_runs import GLOBAL_BATCH, train_and_report
+from tests.support.distributed_harness import run_distributed as run_on_ranks
+from tests.support.strategy_runs import GLOBAL_BATCH, train_and_report
 
 
 def test_proportional_sizes_follow_the_weights_and_sum_to_the_batch():

@@ -10,7 +10,7 @@ import pytest
 
 from raylastic.cluster.job import train
 from raylastic.workloads.digits import Digits
-from tests.helpers import applied_samples, assert_states_close, job, load_model
+from tests.support.helpers import applied_samples, assert_states_close, job, load_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -27,8 +27,8 @@ from raylastic.strategies.shard_copy import (
     unpack_shard,
 )
 from raylastic.strategies.shard_layout import ShardLayout
-from tests.distributed_harness import run_distributed
-from tests.strategy_runs import setup
+from tests.support.distributed_harness import run_distributed
+from tests.support.strategy_runs import setup
 
 STEPS = 3
 LOST_RANK = 1

@@ -17,8 +17,8 @@ from raylastic.strategies.checkpoint_catalogue import complete_checkpoints, newe
 from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, checksum_share
 from raylastic.strategies.export import load_full_model_state
 from tests.conftest import REPO_ROOT
-from tests.distributed_harness import run_distributed
-from tests.strategy_runs import train_with_saves
+from tests.support.distributed_harness import run_distributed
+from tests.support.strategy_runs import train_with_saves
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ from raylastic.strategies.checkpoint_catalogue import complete_checkpoints, newe
 from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, read_manifest, verify
 from raylastic.strategies.checkpoint_metadata import safe_reader
 from raylastic.strategies.export import load_full_model_state
-from tests.checkpoint_saves import SHARD_VALUES, Saves, replant_manifest, save_steps, sharded_state, step_dirs
-from tests.distributed_harness import run_distributed
+from tests.support.checkpoint_saves import SHARD_VALUES, Saves, replant_manifest, save_steps, sharded_state, step_dirs
+from tests.support.distributed_harness import run_distributed
 
 # -- a failed write ----------------------------------------------------------------------------------------
 
@@ -254,7 +254,7 @@ def make_read_only(root: Path) -> None:
 def test_a_checkpoint_path_that_stops_taking_files_mid_run_ends_it_naming_path_and_cause(tmp_path, block, cause):
     from raylastic.actors.controller.controller import RunFailed
     from raylastic.cluster.job import train
-    from tests.helpers import job
+    from tests.support.helpers import job
 
     if block is make_read_only:
         make_read_only(tmp_path)  # skips before a run is started for nothing
@@ -267,7 +267,7 @@ def test_a_checkpoint_path_that_stops_taking_files_mid_run_ends_it_naming_path_a
 
     # ~0.6 s a step: the first save is long done before the second is due
     collective_timeout_s = 120
-    config = job("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.2}",
+    config = job("workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.2}",
                  "training.micro_batch_size=8", "checkpoint.every_steps=5",
                  f"failure.collective_timeout_s={collective_timeout_s}", name="unwritable-later")
     with pytest.raises(RunFailed) as raised:

@@ -23,8 +23,8 @@ from raylastic.cluster.cli import main as cli_main
 from raylastic.strategies.checkpoint_catalogue import complete_checkpoints, newest_loadable
 from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, MARKER_NAME, read_manifest, verify
 from raylastic.strategies.export import load_full_model_state
-from tests.checkpoint_saves import Saves, save_steps, step_dirs
-from tests.distributed_harness import run_distributed
+from tests.support.checkpoint_saves import Saves, save_steps, step_dirs
+from tests.support.distributed_harness import run_distributed
 
 GUARD_S = 60
 """How long a check may take before the test calls it blocked: far more than the milliseconds it takes."""

@@ -1,6 +1,6 @@
 """Jobs on a real ``ray start --head``: ``ray job submit --working-dir .`` and the ``ray submit`` entry script.
 
-One head node for the module (started and stopped here, see ``tests/ray_head.py``), with token
+One head node for the module (started and stopped here, see ``tests/support/ray_head.py``), with token
 authentication on as Ray 2.60 sets it up and its dashboard/job server on 127.0.0.1 only. Checks, in
 the order a user meets them: the ``ray job`` CLI without ``RAY_AUTH_MODE=token`` is refused with
 Ray's "no authentication token was found"; with it, ``ray job submit --working-dir . -- python -m
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_head import (
+from tests.support.ray_head import (
     PRESTART_OFF,
     VENV_BIN,
     RayHead,
@@ -169,9 +169,9 @@ def test_entry_script_runs_as_ray_submit_runs_it(head: RayHead, tmp_path: Path) 
     (home / "raylastic").symlink_to(REPO_ROOT)  # what cluster.yaml's file_mounts put there
     (home / ".ray" / "auth_token").write_text(auth_token())
     script = Path(shutil.copy(REPO_ROOT / "cluster" / "entry.py", home / "entry.py"))
-    # tests.user_workload is importable only from the repository: the script must find it, and the workers too.
+    # tests.support.user_workload is importable only from the repository: the script must find it, and the workers too.
     finished = _run(["python", str(script), "train", "--set", "name=entry",
-                     "--set", "workload.name=tests.user_workload:Parity", *SHORT_JOB, *ONE_WORKER],
+                     "--set", "workload.name=tests.support.user_workload:Parity", *SHORT_JOB, *ONE_WORKER],
                     head, cwd=home, HOME=str(home))
     output = finished.stdout + finished.stderr
     assert finished.returncode == 0, output[-4000:]

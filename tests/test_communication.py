@@ -29,9 +29,9 @@ from raylastic.cluster.job import train
 from raylastic.jobconfig import JobConfig, StrategyConfig, TrainingConfig, load_job_config
 from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
-from tests.helpers import applied_samples, job
+from tests.support.helpers import applied_samples, job
+from tests.support.user_workload import SlowDigits
 from tests.test_cli import GUARDED_MAIN, RAY_INIT_EXIT_CODE
-from tests.user_workload import SlowDigits
 
 # Accuracy runs: a setup where the uncompressed run reaches ~97% held-out accuracy. AdamW at
 # 1e-3, not 3e-3: after 1-bit's warm-up, Adam's second moments are small, so the first scaled

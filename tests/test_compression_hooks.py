@@ -25,7 +25,7 @@ from raylastic.strategies.compression.onebit import pack_signs, reference_onebit
 from raylastic.strategies.compression.powersgd import reference_powersgd_mean
 from raylastic.strategies.compression.topk import reference_topk_mean
 from raylastic.strategies.ddp import DDPStrategy
-from tests.distributed_harness import FakeBucket, run_distributed
+from tests.support.distributed_harness import FakeBucket, run_distributed
 
 SMALL = [[(30, 20)], [(43,)]]  # two buckets (indices 0, 1) per step; 43 is not a multiple of 8
 BIG = [[(256, 256), (256,)]]  # one bucket: a 256x256 layer and its bias

@@ -1,4 +1,4 @@
-"""The Controller's state machine under failures, with a fake WorkerGroup (tests/fake_group.py): a lost worker
+"""The Controller's state machine under failures, with a fake WorkerGroup (tests/support/fake_group.py): a lost worker
 and a job error in every state that calls the workers, double failures, failures while forming, and stop
 requests in every state - each test in milliseconds, no Ray.
 
@@ -28,7 +28,16 @@ from raylastic.actors.status.group import LostWorker
 from raylastic.actors.worker_group.group import MemberRaised
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.peer_restore import ShardCopy
-from tests.fake_group import STEPS, FakeGroup, controller, events, lose, states_until_end, with_member, write_checkpoint
+from tests.support.fake_group import (
+    STEPS,
+    FakeGroup,
+    controller,
+    events,
+    lose,
+    states_until_end,
+    with_member,
+    write_checkpoint,
+)
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -1,4 +1,4 @@
-"""The Controller's state machine, driven with a fake WorkerGroup (tests/fake_group.py): every transition
+"""The Controller's state machine, driven with a fake WorkerGroup (tests/support/fake_group.py): every transition
 and every decision it acts on - each test in milliseconds, no Ray. A failure in every state, double
 failures and stop requests: tests/test_controller_failures.py.
 
@@ -24,7 +24,7 @@ from raylastic.actors.controller.states import (
 from raylastic.actors.status.group import LostWorker
 from raylastic.jobconfig import FaultConfig
 from raylastic.strategies.peer_restore import ShardCopy
-from tests.fake_group import STEPS, controller, events, states_until_end, with_member, write_checkpoint
+from tests.support.fake_group import STEPS, controller, events, states_until_end, with_member, write_checkpoint
 
 pytestmark = pytest.mark.timeout(10)
 

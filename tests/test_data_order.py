@@ -14,7 +14,7 @@ import torch
 from raylastic.actors.data.batch_split import BatchSplit, rank_slice
 from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
 from raylastic.jobconfig import TrainingConfig
-from tests.helpers import step_indices
+from tests.support.helpers import step_indices
 
 WORLD_SIZES = range(1, 6)
 GLOBAL_BATCHES = (7, 48, 64)

@@ -14,9 +14,9 @@ from raylastic.cluster.job import train
 from raylastic.jobconfig import load_job_config
 from raylastic.tuning.search_space import SearchSpace
 from raylastic.workloads.tokens import prepare_corpus, stdlib_corpus_files
-from tests.distributed_harness import run_distributed as run_on_ranks
-from tests.helpers import job
-from tests.strategy_runs import (
+from tests.support.distributed_harness import run_distributed as run_on_ranks
+from tests.support.helpers import job
+from tests.support.strategy_runs import (
     outer_step_after_many_samples,
     restore_and_report,
     train_and_count_bytes,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed_harness import run_distributed
+from tests.support.distributed_harness import run_distributed
 
 
 def segfault_in_rank_1() -> None:

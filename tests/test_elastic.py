@@ -23,7 +23,14 @@ from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.export import load_full_model_state
 from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
-from tests.helpers import applied_samples, assert_states_close, job, load_model, wait_until_gone, with_ctrl_c_enabled
+from tests.support.helpers import (
+    applied_samples,
+    assert_states_close,
+    job,
+    load_model,
+    wait_until_gone,
+    with_ctrl_c_enabled,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -127,7 +134,7 @@ def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference
             controller = ray.get_actor(controller_name("scale"))
             actions["drained"] = ray.get(controller.drain.remote(rank=1))
 
-    result, state = run_disturbed(tmp_path, "scale", "workload.name=tests.user_workload:SlowDigits",
+    result, state = run_disturbed(tmp_path, "scale", "workload.name=tests.support.user_workload:SlowDigits",
                                   "workload.options={pause_s: 0.5}", f"strategy.name={strategy}", on_progress=act)
     _, reference_state = reference
     assert_states_close(state, reference_state)
@@ -148,7 +155,7 @@ def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference
 
 def test_driver_killed_then_same_command_resumes_from_checkpoint(tmp_path, reference):
     run_dir = tmp_path / "driver"
-    overrides = [*BASE, "checkpoint.every_steps=10", "workload.name=tests.user_workload:SlowDigits",
+    overrides = [*BASE, "checkpoint.every_steps=10", "workload.name=tests.support.user_workload:SlowDigits",
                  "workload.options={pause_s: 0.05}"]
     command = [sys.executable, "-m", "raylastic", "train", "--run-dir", str(run_dir),
                "--address", ray.get_runtime_context().gcs_address]
@@ -194,7 +201,7 @@ def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
     command = [sys.executable, "-m", "raylastic", "train", "--run-dir", str(run_dir),
                "--address", ray.get_runtime_context().gcs_address]
     for override in ["name=interrupted", "training.steps=400", "scaling.cpus_per_worker=0.5",
-                     "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.05}"]:
+                     "workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.05}"]:
         command += ["--set", override]
     driver = subprocess.Popen(with_ctrl_c_enabled(command), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env={**os.environ, "CI": "true"})
@@ -219,7 +226,8 @@ def test_below_min_workers_the_run_waits_for_a_replacement_started_in_a_warm_pro
     workers' node by the time of the kill, and the replacement is placed in it. The kill comes ~10 s after the
     workers were built: the process started then has imported the training modules (~2.5 s) even on a busy machine."""
     result, state = run_disturbed(tmp_path, "waits", "scaling.min_workers=3",
-                                  "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.4}",
+                                  "workload.name=tests.support.user_workload:SlowDigits",
+                                  "workload.options={pause_s: 0.4}",
                                   "faults=[{action: kill, rank: 0, step: 25}]")
     assert_same_as_reference(result, state, reference)
     types = event_types(result)
@@ -230,7 +238,8 @@ def test_below_min_workers_the_run_waits_for_a_replacement_started_in_a_warm_pro
 
 def test_a_warm_spare_replaces_a_killed_worker_without_waiting(tmp_path, reference):
     result, state = run_disturbed(tmp_path, "spare", "scaling.min_workers=3", "scaling.spare_workers=1",
-                                  "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.4}",
+                                  "workload.name=tests.support.user_workload:SlowDigits",
+                                  "workload.options={pause_s: 0.4}",
                                   "faults=[{action: kill, rank: 0, step: 12}]")  # the spare is built by then
     assert_same_as_reference(result, state, reference)
     types = event_types(result)

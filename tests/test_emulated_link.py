@@ -14,7 +14,7 @@ import torch
 from raylastic.cluster.job import train
 from raylastic.jobconfig import LinkConfig, load_job_config
 from raylastic.strategies.emulated_link import EmulatedLink
-from tests.helpers import job, load_model
+from tests.support.helpers import job, load_model
 
 
 def test_delay_is_latency_per_message_plus_bytes_over_bandwidth():

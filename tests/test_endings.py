@@ -31,11 +31,12 @@ from raylastic.cluster.import_path import after_standard_library
 from raylastic.cluster.job import RunStopped, train
 from raylastic.cluster.termination import StopRequest, sigterm_asks
 from raylastic.jobconfig.naming import controller_name, slot_name
-from tests.helpers import job, wait_until_gone
+from tests.support.helpers import job, wait_until_gone
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SLOW = ("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.05}")
-STALLING = ("workload.name=tests.stall_workload:StallingDigits", "workload.options={stall_from: 3, stall_s: 600}",
+SLOW = ("workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.05}")
+STALLING = ("workload.name=tests.support.stall_workload:StallingDigits",
+            "workload.options={stall_from: 3, stall_s: 600}",
             "scaling.min_workers=1", "scaling.max_workers=1")
 
 

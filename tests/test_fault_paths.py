@@ -26,8 +26,8 @@ from raylastic.strategies.checkpoint import Checkpointer
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.workloads.digits import Digits
-from tests.fault_workloads import marker_path
-from tests.helpers import assert_states_close, job, load_model
+from tests.support.fault_workloads import marker_path
+from tests.support.helpers import assert_states_close, job, load_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -52,7 +52,8 @@ def undisturbed(tmp_path_factory):
 
 def test_a_bug_in_the_workload_fails_the_run_at_once_with_its_traceback(tmp_path):
     run_dir = tmp_path / "bug"
-    config = job(*BASE, "workload.name=tests.fault_workloads:BuggyDigits", "workload.options={step: 8, rank: 1}",
+    config = job(*BASE, "workload.name=tests.support.fault_workloads:BuggyDigits",
+                 "workload.options={step: 8, rank: 1}",
                  f"failure.collective_timeout_s={LONG_TIMEOUT_S}", f"failure.step_timeout_s={LONG_TIMEOUT_S}",
                  name="bug")
     with pytest.raises(RunFailed) as raised:
@@ -80,7 +81,7 @@ def test_workers_lost_together_count_as_one_failure(tmp_path, undisturbed):
 def test_replicated_run_losing_every_worker_goes_on_from_its_checkpoint(tmp_path, undisturbed):
     run_dir = tmp_path / "all"
     faults = "faults=[{action: kill, rank: 0, step: 17}, {action: kill, rank: 1, step: 17}]"
-    slow = ("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.2}")
+    slow = ("workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.2}")
     result = train(job(*BASE, faults, *slow, "checkpoint.every_steps=5", "checkpoint.num_to_keep=2", name="all"),
                    run_dir=run_dir)
     formed = events_of(result, "generation_formed")
@@ -94,7 +95,7 @@ def test_replicated_run_losing_every_worker_goes_on_from_its_checkpoint(tmp_path
 
 def test_a_hung_worker_is_blamed_not_the_peers_that_timed_out_waiting_for_it(tmp_path, undisturbed):
     run_dir = tmp_path / "hang"
-    config = job(*BASE, "workload.name=tests.fault_workloads:HangingDigits",
+    config = job(*BASE, "workload.name=tests.support.fault_workloads:HangingDigits",
                  f"workload.options={{step: 10, rank: 1, marker: {marker_path(tmp_path, 'hang')}}}",
                  "failure.collective_timeout_s=30", "failure.step_timeout_s=10", name="hang")  # the defaults
     result = train(config, run_dir=run_dir)
@@ -107,7 +108,7 @@ def test_a_hung_worker_is_blamed_not_the_peers_that_timed_out_waiting_for_it(tmp
 def test_a_step_that_never_ends_is_caught_by_the_watchdog(tmp_path):
     run_dir = tmp_path / "alone"
     config = job(f"training.steps={STEPS}", "scaling.min_workers=1", "scaling.max_workers=1",
-                 "workload.name=tests.fault_workloads:HangingDigits",
+                 "workload.name=tests.support.fault_workloads:HangingDigits",
                  f"workload.options={{step: 10, rank: 0, marker: {marker_path(tmp_path, 'alone')}}}",
                  "failure.max_step_s=3", "checkpoint.every_steps=5", name="alone")
     result = train(config, run_dir=run_dir)
@@ -117,7 +118,7 @@ def test_a_step_that_never_ends_is_caught_by_the_watchdog(tmp_path):
 
 
 def test_the_first_generation_waits_for_a_slow_worker_to_start(tmp_path, undisturbed):
-    config = job(*BASE, "workload.name=tests.fault_workloads:SlowStartDigits",
+    config = job(*BASE, "workload.name=tests.support.fault_workloads:SlowStartDigits",
                  f"workload.options={{delay_s: 6, marker: {marker_path(tmp_path, 'slow')}}}",
                  "failure.collective_timeout_s=2", name="slow")
     result = train(config, run_dir=tmp_path / "slow")
@@ -128,7 +129,8 @@ def test_the_first_generation_waits_for_a_slow_worker_to_start(tmp_path, undistu
 def test_a_stop_asked_while_the_group_forms_is_not_lost(tmp_path):
     run_dir = tmp_path / "stop"
     config = job("training.steps=2000", "scaling.min_workers=1", "scaling.max_workers=1", "strategy.name=zero2",
-                 "workload.name=tests.fault_workloads:SlowBuildDigits", "workload.options={delay_s: 3}", name="stop")
+                 "workload.name=tests.support.fault_workloads:SlowBuildDigits", "workload.options={delay_s: 3}",
+                 name="stop")
     asked = threading.Event()
 
     def stop_at_once(progress: RunStatus) -> None:
@@ -195,7 +197,7 @@ def test_the_full_model_is_gathered_on_every_rank_and_returned_by_one(tmp_path):
 
 
 def test_a_join_gives_up_on_a_training_thread_that_never_ends(tmp_path):
-    workers = bare_workers(tmp_path, 1, "workload.name=tests.fault_workloads:HangingDigits",
+    workers = bare_workers(tmp_path, 1, "workload.name=tests.support.fault_workloads:HangingDigits",
                            f"workload.options={{step: 2, rank: 0, marker: {marker_path(tmp_path, 'join')}}}")
     (worker,) = workers.actors
     workers.join_all()
@@ -208,7 +210,7 @@ def test_a_join_gives_up_on_a_training_thread_that_never_ends(tmp_path):
 
 
 def test_a_failed_final_evaluation_leaves_a_loadable_checkpoint_of_the_last_step(tmp_path):
-    config = job(*BASE, "strategy.name=zero2", "workload.name=tests.fault_workloads:FailingEvaluationDigits",
+    config = job(*BASE, "strategy.name=zero2", "workload.name=tests.support.fault_workloads:FailingEvaluationDigits",
                  name="evalfails")
     with pytest.raises(RunFailed, match="the evaluation set is empty"):
         train(config, run_dir=tmp_path)
@@ -221,7 +223,7 @@ def test_a_failed_final_evaluation_leaves_a_loadable_checkpoint_of_the_last_step
 
 def test_a_replacement_that_cannot_be_built_fails_the_run_naming_its_error_after_its_retries(tmp_path):
     marker = marker_path(tmp_path, "healthy")
-    config = job(*BASE, "workload.name=tests.fault_workloads:MissingDataOnNewNodes",
+    config = job(*BASE, "workload.name=tests.support.fault_workloads:MissingDataOnNewNodes",
                  f"workload.options={{marker: {marker}}}", "faults=[{action: kill, rank: 1, step: 5}]",
                  "failure.max_start_failures=2", name="nodata")
     with pytest.raises(RunFailed, match="data_dir /data/digits does not exist") as raised:

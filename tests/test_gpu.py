@@ -25,7 +25,7 @@ from raylastic.jobconfig.naming import NAMESPACE
 from raylastic.strategies.checkpoint import load_into
 from raylastic.strategies.process_group import choose_backend, choose_device
 from tests.conftest import REPO_ROOT
-from tests.helpers import assert_states_close, job, load_model
+from tests.support.helpers import assert_states_close, job, load_model
 
 NUM_GPUS = min(2, torch.cuda.device_count())
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

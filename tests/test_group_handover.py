@@ -23,7 +23,7 @@ from raylastic.strategies.compression import CompressionOptions, make_comm_hook
 from raylastic.strategies.ddp import DDPStrategy
 from raylastic.strategies.hierarchical import make_hierarchical_hook
 from raylastic.strategies.process_group import leave_group
-from tests.distributed_harness import FakeBucket, run_distributed
+from tests.support.distributed_harness import FakeBucket, run_distributed
 
 LOST_PEER_LEAVES_AFTER_S = 1.0
 GROUP_TIMEOUT_S = 120

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylastic.strategies.compression.accounting import CommTraffic
 from raylastic.strategies.hierarchical import make_hierarchical_hook, ranks_by_node, reference_hierarchical_mean
-from tests.distributed_harness import FakeBucket, run_distributed
+from tests.support.distributed_harness import FakeBucket, run_distributed
 
 WORLD_SIZE = 4
 LAYOUTS = {

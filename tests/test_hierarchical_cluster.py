@@ -25,7 +25,7 @@ from raylastic.actors.status.run import RunStatus
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import NAMESPACE
 from tests.conftest import REPO_ROOT
-from tests.helpers import assert_states_close, job, load_model
+from tests.support.helpers import assert_states_close, job, load_model
 
 STEPS = 30
 BASE = (f"training.steps={STEPS}", "scaling.min_workers=4", "scaling.max_workers=4", "scaling.cpus_per_worker=1",

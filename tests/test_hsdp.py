@@ -21,8 +21,8 @@ from raylastic.strategies.checkpoint_catalogue import complete_checkpoints
 from raylastic.strategies.peer_restore import plan_peer_restore
 from raylastic.strategies.process_group import leave_group
 from raylastic.strategies.shard_copy import gather_shards, keep_shards, load_full_state
-from tests.distributed_harness import run_distributed
-from tests.strategy_runs import restore_and_report, setup, train_and_report
+from tests.support.distributed_harness import run_distributed
+from tests.support.strategy_runs import restore_and_report, setup, train_and_report
 
 STEPS = 3
 

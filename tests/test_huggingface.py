@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from raylastic.cluster.job import train  # noqa: E402
-from tests.helpers import job, load_model  # noqa: E402
-from tests.hf_workload import TinyCausalLM  # noqa: E402
+from tests.support.helpers import job, load_model  # noqa: E402
+from tests.support.hf_workload import TinyCausalLM  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -29,7 +29,7 @@ EVAL_EVERY = 10
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_tiny_causal_lm_learns_and_its_model_file_loads(tmp_path, strategy):
     run_dir = tmp_path / strategy
-    result = train(job("workload.name=tests.hf_workload:TinyCausalLM", f"strategy.name={strategy}",
+    result = train(job("workload.name=tests.support.hf_workload:TinyCausalLM", f"strategy.name={strategy}",
                        f"training.steps={STEPS}", "training.global_batch_size=32", "optim.lr=3e-3",
                        "optim.schedule=cosine", "optim.warmup_steps=5", "optim.clip_grad_norm=1.0",
                        f"eval.every_steps={EVAL_EVERY}", name=f"hf-{strategy}"), run_dir=run_dir)

@@ -26,8 +26,8 @@ from raylastic.cluster.job import train
 from raylastic.jobconfig import STRATEGIES, StrategyConfig
 from raylastic.jobconfig.naming import controller_name
 from tests.conftest import REPO_ROOT
-from tests.helpers import job, load_model
-from tests.process_imports import training_imports
+from tests.support.helpers import job, load_model
+from tests.support.process_imports import training_imports
 
 PACKAGE_LAYERS = ("jobconfig", "workloads", "strategies", "actors", "cluster", "tuning")
 ACTORS = REPO_ROOT / "actors"

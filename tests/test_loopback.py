@@ -12,7 +12,7 @@ import ray
 
 from raylastic.cluster.job import train
 from raylastic.cluster.loopback import is_loopback, loopback_interface, network_address
-from tests.helpers import assert_states_close, job, load_model
+from tests.support.helpers import assert_states_close, job, load_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -12,7 +12,7 @@ import torch
 mlflow = pytest.importorskip("mlflow")
 
 from raylastic.cluster.tracking import MlflowLog, store_uri  # noqa: E402
-from tests.helpers import job, load_model, run_status  # noqa: E402
+from tests.support.helpers import job, load_model, run_status  # noqa: E402
 
 
 def step_row(step: int) -> dict:

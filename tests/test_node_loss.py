@@ -23,11 +23,11 @@ from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import NAMESPACE, controller_name
 from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
-from tests.helpers import applied_samples, assert_states_close, job, load_model
+from tests.support.helpers import applied_samples, assert_states_close, job, load_model
 
 STEPS = 60  # ~4 s: progress (every second) sees step 10-15 at world size 4 well before the end
 BASE = (f"training.steps={STEPS}", "training.record_samples=true", "scaling.min_workers=2",
-        "scaling.max_workers=4", "scaling.cpus_per_worker=1", "workload.name=tests.user_workload:SlowDigits",
+        "scaling.max_workers=4", "scaling.cpus_per_worker=1", "workload.name=tests.support.user_workload:SlowDigits",
         "workload.options={pause_s: 0.05}", "scaling.placement_timeout_s=60")
 NUM_TRAIN_SAMPLES = len(Digits().train_dataset())
 DRAIN_DEADLINE_S = 600

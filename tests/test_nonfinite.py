@@ -19,13 +19,13 @@ from raylastic.actors.worker.step import NonFiniteStep, StepRunner
 from raylastic.cluster.job import train
 from raylastic.jobconfig import OptimConfig
 from raylastic.strategies.ddp import DDPStrategy
-from tests.distributed_harness import run_distributed
-from tests.helpers import job, load_model
-from tests.nan_workload import poison_index_for
+from tests.support.distributed_harness import run_distributed
+from tests.support.helpers import job, load_model
+from tests.support.nan_workload import poison_index_for
 
 BAD_STEP = 5
 GLOBAL_BATCH = 48
-BASE = ("workload.name=tests.nan_workload:PoisonedDigits",
+BASE = ("workload.name=tests.support.nan_workload:PoisonedDigits",
         f"workload.options={{poison_index: {poison_index_for(BAD_STEP, 1, 2, GLOBAL_BATCH)}}}",
         f"training.global_batch_size={GLOBAL_BATCH}", "scaling.min_workers=2", "scaling.max_workers=2",
         "failure.step_timeout_s=4")

@@ -20,8 +20,8 @@ import ray
 
 from raylastic.jobconfig import FaultConfig
 from raylastic.strategies.peer_restore import ShardCopy, plan_peer_restore
-from tests.helpers import assert_states_close
-from tests.worker_actors import Workers, wait_while, workers_of
+from tests.support.helpers import assert_states_close
+from tests.support.worker_actors import Workers, wait_while, workers_of
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

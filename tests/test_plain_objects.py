@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from raylastic.cluster.job import train
 from raylastic.strategies.plain_objects import all_gather_plain, broadcast_plain, dtype_name, dtype_of
-from tests.distributed_harness import run_distributed
-from tests.helpers import job
+from tests.support.distributed_harness import run_distributed
+from tests.support.helpers import job
 
 SENT = {"step": 7, "shape": [3, 4], "dtype": "bfloat16", "scale": 65536.0, "inf": math.inf, "none": None,
         "text": "naïve ✓", "nested": [{"a": [1.5, -2]}]}
@@ -55,7 +55,7 @@ def test_dtype_names_round_trip():
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_a_run_with_a_kill_and_checkpoints_sends_no_pickle(tmp_path, strategy):
     """ddp: the replacement receives the state by hand-over; zero3: the lost shards come from buddy copies."""
-    result = train(job("workload.name=tests.user_workload:PickleFreeDigits", f"strategy.name={strategy}",
+    result = train(job("workload.name=tests.support.user_workload:PickleFreeDigits", f"strategy.name={strategy}",
                        "checkpoint.every_steps=5", "faults=[{action: kill, rank: 1, step: 8}]",
                        name=f"no-pickle-{strategy}"), run_dir=tmp_path)
     assert result.final_step == 20

@@ -28,8 +28,8 @@ from raylastic.strategies.checkpoint import Checkpointer, load_into
 from raylastic.strategies.ddp import DDPStrategy
 from raylastic.strategies.state_transfer import broadcast_training_state
 from raylastic.workloads.digits import Digits
-from tests.distributed_harness import run_distributed
-from tests.helpers import job
+from tests.support.distributed_harness import run_distributed
+from tests.support.helpers import job
 
 CPU = torch.device("cpu")
 SAVED_SCALER = {"scale": 256.0, "_growth_tracker": 5}

@@ -1,6 +1,6 @@
 """The optimizer recipe (lr schedule, param groups with lr_scale, global-norm clipping, refusing
 non-element-wise optimizers under sharding) and distributed evaluation: every strategy at world
-size 2 on gloo against a plain single-process torch loop (tests/recipe_runs.py).
+size 2 on gloo against a plain single-process torch loop (tests/support/recipe_runs.py).
 
     .venv/bin/pytest -q tests/test_recipe.py
 """
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_factory, set_learning_rate
 from raylastic.jobconfig import OptimConfig
-from tests.distributed_harness import run_distributed
-from tests.recipe_runs import (
+from tests.support.distributed_harness import run_distributed
+from tests.support.recipe_runs import (
     DECAY,
     EVAL_SAMPLES,
     FEATURES,
@@ -33,7 +33,7 @@ from tests.recipe_runs import (
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 STEPS = 3
 TOTAL_STEPS = 3  # the schedule: warm-up step 0, then cosine from lr (step 1) to halfway (step 2)
-OPTIM = {  # by workload (tests/recipe_runs.py's WORKLOADS)
+OPTIM = {  # by workload (tests/support/recipe_runs.py's WORKLOADS)
     "default": OptimConfig(lr=2e-2, weight_decay=0.01, schedule="cosine", warmup_steps=1, min_lr=2e-3,
                            clip_grad_norm=0.05),
     "two_groups": OptimConfig(lr=2e-2, schedule="cosine", warmup_steps=1, min_lr=2e-3),

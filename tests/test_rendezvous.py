@@ -15,7 +15,7 @@ from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process
 from raylastic.actors.rendezvous.store import RPC_MARGIN_S, RayStore
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.strategies.process_group import join_group, leave_group
-from tests.process_imports import training_imports
+from tests.support.process_imports import training_imports
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

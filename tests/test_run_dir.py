@@ -20,12 +20,12 @@ from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name, worker_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.checkpoint_manifest import read_manifest
-from tests.helpers import job, wait_until_gone
+from tests.support.helpers import job, wait_until_gone
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 ONE_WORKER = ("scaling.min_workers=1", "scaling.max_workers=1")
-SLOW = ("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.05}")
+SLOW = ("workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.05}")
 
 
 def strict_json(path: Path) -> dict:
@@ -163,10 +163,10 @@ def test_a_model_file_that_cannot_be_written_fails_the_run_and_never_says_finish
 
 
 def test_result_json_stays_json_when_the_loss_is_not_finite(tmp_path):
-    from tests.nan_workload import poison_index_for
+    from tests.support.nan_workload import poison_index_for
 
     run_dir = tmp_path / "run"
-    poisoned = ("workload.name=tests.nan_workload:PoisonedDigits", "training.on_nonfinite=skip",
+    poisoned = ("workload.name=tests.support.nan_workload:PoisonedDigits", "training.on_nonfinite=skip",
                 f"workload.options={{poison_index: {poison_index_for(2, 0, 1, 48)}}}", "training.steps=3")
     result = train(job(*ONE_WORKER, *poisoned, name="nan"), run_dir=run_dir)
     assert math.isnan(result.history[1]["loss"])  # step 2 trained on the NaN sample (and was skipped)

@@ -15,14 +15,14 @@ import pytest
 
 from raylastic.actors.controller.controller import RunFailed
 from raylastic.cluster.job import train
-from tests.distributed_harness import run_distributed
-from tests.helpers import assert_states_close, job, load_model, sigkill_ranks_once
-from tests.strategy_runs import train_job_alone
+from tests.support.distributed_harness import run_distributed
+from tests.support.helpers import assert_states_close, job, load_model, sigkill_ranks_once
+from tests.support.strategy_runs import train_job_alone
 
 STEPS = 150
 KILL_AT = 40
-WORKLOAD = ("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.01}")
-DEFAULT_TIMEOUTS = ("failure.collective_timeout_s=30",)  # tests.helpers.job shortens it; these are the defaults
+WORKLOAD = ("workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.01}")
+DEFAULT_TIMEOUTS = ("failure.collective_timeout_s=30",)  # tests.support.helpers.job shortens it; these are the defaults
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -20,13 +20,13 @@ from raylastic.actors.worker_group.group import JOIN_RENDEZVOUS
 from raylastic.actors.worker_group.member_calls import CallBounds, MembersFailed, call_members
 from raylastic.actors.worker_group.membership import Member
 from raylastic.cluster.job import train
-from tests.helpers import StoppedProcess, job
-from tests.worker_actors import workers_of
+from tests.support.helpers import StoppedProcess, job
+from tests.support.worker_actors import workers_of
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 DEFAULT_TIMEOUTS = ("failure.collective_timeout_s=30", "failure.step_timeout_s=10")
-"""The defaults (tests.helpers.job shortens the collective timeout)."""
+"""The defaults (tests.support.helpers.job shortens the collective timeout)."""
 
 
 def _stop_rank_while_forming(rank: int) -> tuple:
@@ -45,7 +45,7 @@ def _stop_rank_while_forming(rank: int) -> tuple:
 def test_a_worker_stopped_while_the_group_forms_is_found_within_the_step_timeout(tmp_path):
     on_progress, stopped = _stop_rank_while_forming(1)
     config = job("strategy.name=zero2", "scaling.min_workers=1", "scaling.max_workers=2", "training.steps=30",
-                 "workload.name=tests.fault_workloads:SlowBuildDigits", "workload.options={delay_s: 4}",
+                 "workload.name=tests.support.fault_workloads:SlowBuildDigits", "workload.options={delay_s: 4}",
                  *DEFAULT_TIMEOUTS, name="joinstop")
     began = time.time()
     try:

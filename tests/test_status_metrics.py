@@ -1,7 +1,7 @@
 """Observability of a running job: Ray's Prometheus endpoint carries its metrics, ``raylastic status`` shows it.
 
-A real ``ray start --head`` with a known metrics-export port (``tests/ray_head.py``), and one
-slowed job (``tests.user_workload:SlowDigits``) in which rank 1 is killed at step 5, so the run also
+A real ``ray start --head`` with a known metrics-export port (``tests/support/ray_head.py``), and one
+slowed job (``tests.support.user_workload:SlowDigits``) in which rank 1 is killed at step 5, so the run also
 has a failure and a recovery to report. While it trains: the endpoint is scraped over loopback
 until every ``ray_raylastic_*`` series carries the run's tag, and ``raylastic status`` is run as a
 user would run it. The job is then stopped with Ctrl-C (SIGINT).
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import with_ctrl_c_enabled
-from tests.ray_head import RayHead, start_head, stop_head
+from tests.support.helpers import with_ctrl_c_enabled
+from tests.support.ray_head import RayHead, start_head, stop_head
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUN = "observed"
@@ -48,7 +48,7 @@ def running_job(head: RayHead, tmp_path_factory: pytest.TempPathFactory):
     run_dir = tmp_path_factory.mktemp("run")
     output = run_dir / "driver.log"
     command = [sys.executable, "-m", "raylastic", "train", "--address", "auto", "--run-dir", str(run_dir),
-               "--set", f"name={RUN}", "--set", "workload.name=tests.user_workload:SlowDigits",
+               "--set", f"name={RUN}", "--set", "workload.name=tests.support.user_workload:SlowDigits",
                "--set", "workload.options={pause_s: 0.05}", "--set", "training.steps=5000",
                "--set", "scaling.min_workers=1", "--set", "scaling.max_workers=2",
                "--set", "scaling.cpus_per_worker=0.5", "--set", "faults=[{action: kill, rank: 1, step: 5}]"]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from raylastic.actors.worker.stop_vote import MAX_VOTE_INTERVAL, VOTE_PERIOD_S, StopVote, proposed_interval
-from tests.distributed_harness import run_distributed
+from tests.support.distributed_harness import run_distributed
 
 
 def test_proposed_interval_fits_the_vote_period_in_steps():

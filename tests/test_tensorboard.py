@@ -8,7 +8,7 @@ from pathlib import Path
 from tensorboardX.proto import event_pb2
 
 from raylastic.cluster.tensorboard import TensorBoardLog
-from tests.helpers import run_status
+from tests.support.helpers import run_status
 
 
 def read_events(directory: Path) -> list[event_pb2.Event]:

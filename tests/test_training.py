@@ -11,7 +11,7 @@ import ray
 
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name, worker_name
-from tests.helpers import assert_states_close, job, load_model
+from tests.support.helpers import assert_states_close, job, load_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -44,7 +44,7 @@ def test_bucket_size_does_not_change_the_result(tmp_path):
 
 
 def test_user_workload_from_outside_the_package_trains(tmp_path):
-    result, run_dir = run(tmp_path, "user", "workload.name=tests.user_workload:Parity", "training.steps=60",
+    result, run_dir = run(tmp_path, "user", "workload.name=tests.support.user_workload:Parity", "training.steps=60",
                           "optim.lr=0.01")
     assert result.history[-1]["loss"] < result.history[0]["loss"]
     assert result.metrics["accuracy"] > 0.8
@@ -128,7 +128,7 @@ def test_training_workers_run_at_normal_priority_and_keep_freed_memory(tmp_path)
                 lambda self: os.getpid()))
             seen["controller"] = _niceness_of_threads(controller_pid)[controller_pid]
 
-    train(job("workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.1}",
+    train(job("workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.1}",
               "training.steps=40", name="nice"), run_dir=tmp_path / "nice", on_progress=look)  # 4 s: polled while live
     assert [set(threads.values()) for threads in seen["workers"]] == [{0}, {0}]  # the step loop, gloo's, Ray's
     assert seen["controller"] == 0  # it never sets its own: the local instance's worker_niceness

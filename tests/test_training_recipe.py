@@ -11,7 +11,7 @@ from raylastic.actors.controller.controller import RunFailed
 from raylastic.actors.worker.optimizer_recipe import learning_rate
 from raylastic.cluster.cli import main
 from raylastic.cluster.job import train
-from tests.helpers import assert_states_close, job, load_model
+from tests.support.helpers import assert_states_close, job, load_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -48,7 +48,7 @@ def test_lr_follows_warmup_then_cosine_across_a_kill_and_a_resume(tmp_path):
 
 
 def test_dropout_run_is_reproducible_and_a_redone_step_draws_the_same_masks(tmp_path):
-    base = ["workload.name=tests.user_workload:DropoutDigits", "training.steps=30", "scaling.min_workers=2",
+    base = ["workload.name=tests.support.user_workload:DropoutDigits", "training.steps=30", "scaling.min_workers=2",
             "optim.lr=3e-3"]
     first = train(job(*base, name="drop1"), run_dir=tmp_path / "drop1")
     second = train(job(*base, name="drop2"), run_dir=tmp_path / "drop2")

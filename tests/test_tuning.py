@@ -24,7 +24,7 @@ from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import controller_name, trial_run_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.tuning import EarlyStopping, SweepResult, sweep
-from tests.helpers import job
+from tests.support.helpers import job
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

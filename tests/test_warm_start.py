@@ -18,8 +18,8 @@ from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name
 from tests.conftest import REPO_ROOT
-from tests.helpers import job
-from tests.process_imports import training_imports
+from tests.support.helpers import job
+from tests.support.process_imports import training_imports
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from raylastic.strategies.checkpoint_catalogue import complete_checkpoints
-from tests.distributed_harness import run_distributed as run_on_ranks
-from tests.strategy_runs import restore_and_report, train_and_report
+from tests.support.distributed_harness import run_distributed as run_on_ranks
+from tests.support.strategy_runs import restore_and_report, train_and_report
 
 STEPS = 3
 STRATEGIES = ("zero1", "zero2", "zero3")

@@ -38,8 +38,8 @@ from raylastic.cluster.job import train
 from raylastic.strategies.base import TrainState, init_optimizer_state
 from raylastic.strategies.fsdp import FSDPStrategy
 from raylastic.strategies.process_group import leave_group
-from tests.distributed_harness import run_distributed
-from tests.helpers import assert_states_close, job, load_model
+from tests.support.distributed_harness import run_distributed
+from tests.support.helpers import assert_states_close, job, load_model
 
 COLLECTIVE_TIMEOUT_S = 120.0
 """Long: the run checks that the survivors did not wait it out (asserting well under it)."""
@@ -174,7 +174,8 @@ def test_zero3_run_survives_an_outside_sigkill_and_its_replacement(tmp_path):
         config = job("strategy.name=zero3", "scaling.min_workers=2", "scaling.max_workers=4",
                      "checkpoint.every_steps=0", f"training.steps={STEPS}",
                      f"failure.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
-                     "workload.name=tests.user_workload:SlowDigits", "workload.options={pause_s: 0.01}", name=name)
+                     "workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.01}",
+                     name=name)
         result = train(config, run_dir=tmp_path / name, on_progress=on_progress)
         events = result.events
         where = f"run {attempt} (killed {killed.get('worker')} at step {killed.get('step')}): {events}"

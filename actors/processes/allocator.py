@@ -5,7 +5,7 @@ adapts its thresholds to that (``M_MMAP_THRESHOLD`` rises to the largest block f
 ``M_TRIM_THRESHOLD`` follows at twice that), but not far enough for a training step: it keeps handing the
 top of the heap back to the kernel and faulting it in again on the next step. The gpt recipe's step took
 1,500-4,000 minor page faults and ~10% more time for it, and a secondary thread's arena, where a
-TrainWorker's step loop runs, fares worse than the main thread's (tests/memory_churn.py's churn: no faults
+TrainWorker's step loop runs, fares worse than the main thread's (tests/support/memory_churn.py's churn: no faults
 a round in the main thread after a few rounds, thousands in another).
 
 Setting both thresholds at the ceilings glibc's own adaptation would reach, from the start, removes

@@ -16,7 +16,7 @@ import torch
 from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.actors.status.run import Event, RunStatus
 from raylastic.jobconfig import load_job_config
-from tests.ray_head import process_start_time
+from tests.support.ray_head import process_start_time
 
 
 def job(*overrides: str, name: str = "t"):

@@ -1,5 +1,5 @@
 """A workload whose steps stall from a chosen one on, so that a test can ask for a stop the run cannot honour
-in time. Referenced as "tests.stall_workload:StallingDigits"."""
+in time. Referenced as "tests.support.stall_workload:StallingDigits"."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from tests.user_workload import SlowDigits
+from tests.support.user_workload import SlowDigits
 
 
 class StallingDigits(SlowDigits):

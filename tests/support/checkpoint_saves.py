@@ -1,5 +1,5 @@
 """Saves of one gloo process group into a checkpoint root, for the checkpoint tests (run by
-tests/distributed_harness.py's ``run_distributed``): every rank writes a shard of its own.
+tests/support/distributed_harness.py's ``run_distributed``): every rank writes a shard of its own.
 
 Example::
 

@@ -1,6 +1,6 @@
 """A workload with one bad sample: its features are NaN, so the step that trains on it has a NaN loss on
 the rank that holds it (and, after the all-reduce, NaN gradients on every rank). Referenced as
-"tests.nan_workload:PoisonedDigits" with ``workload.options={poison_index: i}``; ``poison_index_for``
+"tests.support.nan_workload:PoisonedDigits" with ``workload.options={poison_index: i}``; ``poison_index_for``
 finds the sample that a given step and rank train on."""
 
 from __future__ import annotations

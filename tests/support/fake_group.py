@@ -26,7 +26,7 @@ from raylastic.actors.worker.actor import JoinReport
 from raylastic.actors.worker_group.group import MembersFailed
 from raylastic.strategies.build import build_strategy
 from raylastic.strategies.checkpoint_manifest import CheckpointManifest, write_manifest
-from tests.helpers import job
+from tests.support.helpers import job
 
 
 class FakeGroup:

@@ -1,10 +1,10 @@
-"""A Hugging Face causal LM as a user workload, referenced as "tests.hf_workload:TinyCausalLM".
+"""A Hugging Face causal LM as a user workload, referenced as "tests.support.hf_workload:TinyCausalLM".
 
 The model is a ``transformers`` GPT-2 built from its config (tied embedding / lm head, dropout 0.1 at
 its defaults), the data a ``datasets.Dataset`` held in memory, batches dicts of ``input_ids`` and
 ``attention_mask``. Run it with::
 
-    raylastic train --set workload.name=tests.hf_workload:TinyCausalLM --set strategy.name=zero2
+    raylastic train --set workload.name=tests.support.hf_workload:TinyCausalLM --set strategy.name=zero2
 
 Example::
 

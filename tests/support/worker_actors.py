@@ -14,7 +14,7 @@ from raylastic.jobconfig import FaultConfig
 from raylastic.strategies.checkpoint import Checkpointer
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.strategies.peer_restore import plan_peer_restore
-from tests.helpers import job
+from tests.support.helpers import job
 
 
 @dataclass
@@ -70,7 +70,7 @@ def wait_while(actor, phase: str) -> tuple[str, int]:
 
 
 def workers_of(tmp_path, steps: int, *overrides: str, collective_timeout_s: float = 30.0) -> Workers:
-    """Workers of a short job (``overrides`` over tests.helpers.job's) that train up to ``steps``."""
+    """Workers of a short job (``overrides`` over tests.support.helpers.job's) that train up to ``steps``."""
     config = job(f"training.steps={steps}", *overrides, name="peers")
     checkpointer = Checkpointer(root=str(tmp_path / "checkpoints"), every_steps=0, num_to_keep=1, config_hash="h",
                                 global_batch_size=config.training.global_batch_size)

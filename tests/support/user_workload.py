@@ -1,4 +1,4 @@
-"""A user-defined workload outside the package, referenced as "tests.user_workload:Parity"."""
+"""A user-defined workload outside the package, referenced as "tests.support.user_workload:Parity"."""
 
 from __future__ import annotations
 

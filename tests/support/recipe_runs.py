@@ -18,7 +18,7 @@ from raylastic.actors.worker.optimizer_recipe import optimizer_factory
 from raylastic.actors.worker.step import StepRunner
 from raylastic.jobconfig import OptimConfig, StrategyConfig
 from raylastic.strategies.build import build_strategy
-from tests.helpers import step_indices
+from tests.support.helpers import step_indices
 
 FEATURES, HIDDEN, CLASSES = 6, 9, 5  # odd sizes: dim-0 shards are uneven at world sizes 2 and 3
 GLOBAL_BATCH = 12
