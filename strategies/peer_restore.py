@@ -17,7 +17,7 @@ Example (the Controller, after ``form()``)::
 
     plan = plan_peer_restore([report.shard_copies for report in reports])
     if plan is not None:
-        group.call_all("restore_from_peers", [(plan,)] * group.size)   # every rank returns plan.step
+        group.restore_from_peers(plan)   # every rank takes its shards from the copies the plan names
 """
 
 from __future__ import annotations

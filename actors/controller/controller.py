@@ -203,12 +203,12 @@ class Controller:
         if isinstance(source, StateLost):
             return Failed(source.reason(self.job.strategy, self.job.checkpoint.every_steps) + self.checkpoints.note())
         if isinstance(source, FromPeers):
-            self.group.call_all("restore_from_peers", [(source.plan,)] * self.group.size)
+            self.group.restore_from_peers(source.plan)
             self.step, label = source.plan.step, "buddy" if source.plan.from_buddies else "peers"
         elif isinstance(source, FromCheckpoint):
             found = source.checkpoint
             self.checkpoints.require_same_job(found)
-            refused = self.group.call_all("restore", [(found.path, found.manifest.step)] * self.group.size)[0]
+            refused = self.group.restore(found.path, found.manifest.step)
             if refused is not None:  # its loaders found a file altered: form again from the next one
                 self.checkpoints.reject(found, refused, at_step=self.step)
                 restore = None if state.restore is None else self.checkpoints.newest(max_step=found.manifest.step)
@@ -216,7 +216,7 @@ class Controller:
             self.step, label = found.manifest.step, "checkpoint"
         elif isinstance(source, FromRank):
             self.step, label = member_steps[source.rank], source.rank
-            self.group.call_all("sync_state", [(source.rank,)] * self.group.size)
+            self.group.sync_state(source_rank=source.rank)
         else:
             self.step, label = 0, "initialisation"
         self.log.event("generation_formed", self.step, generation=self.group.generation, world_size=self.group.size,
@@ -290,7 +290,7 @@ class Controller:
         in the members' memory and goes over to the new layout from there. Nothing is discarded."""
         restore = None
         if not self.replicated and self.group.num_leaving:
-            path = self.group.call_all("save_checkpoint")[0]
+            path = self.group.save_checkpoint()
             self.log.event("checkpointed", self.step, path=path, reason="membership change")
             restore = Checkpoint(path, read_manifest(path))
         self.drains.left(step=self.step)
@@ -341,20 +341,17 @@ class Controller:
     def _finish(self, state: Finishing) -> RunState:
         """Write the final checkpoint, gather the full model, evaluate (collectives on every member), in that order:
         what comes first is kept when what comes after fails."""
-        path = self.group.call_all("save_checkpoint")[0]
+        path = self.group.save_checkpoint()
         if not any(e.type == "checkpointed" and e.step == self.step for e in self.log.events()):
             self.log.event("checkpointed", self.step, path=path, reason="end of run")  # else the loop's save, reported
-        if self.replicated:  # every rank holds it all: one copy, from rank 0, with no collective
-            model_state = self.group.call_one(0, "full_model_file")
-        else:
-            model_state = self.group.call_all("full_model_file", [(rank == 0,) for rank in range(self.group.size)])[0]
+        model_state = self.group.full_model_file(replicated=self.replicated)
         try:
-            metrics = self.group.call_all("evaluate")[0]
+            metrics = self.group.evaluate()
         except MemberRaised as error:
             return Failed(self.checkpoints.with_note(str(error)), model_state=model_state)  # the model.pt is kept
         if self.job.eval.every_steps:  # the curve of eval rows ends with the final metrics
             self.log.add_evaluation(self.step, time.time(), metrics)
-        memory = self.group.call_all("memory")
+        memory = self.group.memory()
         history = self.log.history()
         metrics = {**({"loss": history[-1]["loss"]} if history else {}), **metrics}  # none when resumed at the end
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})

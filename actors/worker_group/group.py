@@ -5,7 +5,7 @@ The Controller decides; the group executes and reports::
 
     lost = group.place(max_workers=4, min_workers=2, timeout_s=60)   # workers that could not start
     reports = group.form(run_step=0)                 # generation g+1: every member joins (JoinReports)
-    group.call_all("sync_state", [(0,)] * group.size)
+    group.sync_state(source_rank=0)                  # rank 0's state to every member
     group.start_training(until_step=100, faults=[(), ()])
     status = group.poll()                            # a GroupStatus, judged by actors.controller.policies
     group.end_generation()                           # the news still in flight
@@ -48,6 +48,7 @@ from raylastic.actors.worker_group.poller import GenerationPoller, death_reason
 from raylastic.jobconfig import FaultConfig, JobConfig
 from raylastic.strategies.checkpoint_catalogue import CheckpointSettings
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
+from raylastic.strategies.peer_restore import PeerRestorePlan
 
 START_GRACE_S = 1.0
 """After min_workers are placed, how long the start waits for the rest of max_workers."""
@@ -218,7 +219,7 @@ class WorkerGroup:
         """Every member leaves its old group and joins generation g+1; their JoinReports, in rank order."""
         self.generation += 1
         self.ranked = list(self.membership.members)
-        reports = self.call_all("join", [(GroupAssignment(
+        reports = self._call_all("join", [(GroupAssignment(
             generation=self.generation, rank=rank, world_size=self.size, store=self.store,
             store_prefix=self.store_prefix, timeout_s=self.collective_timeout_s,
             run_step=run_step),) for rank in range(self.size)], rendezvous=JOIN_RENDEZVOUS,
@@ -231,8 +232,40 @@ class WorkerGroup:
         """The forming generation lost a member: its other ranks' waits on the store end now."""
         call_off_generation(self.store, self.store_prefix, self.generation)
 
-    def call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1,
-                 on_failure: Callable[[], Any] | None = None) -> list[Any]:
+    # -- state, checkpoints and the final model: collectives on every member ---------------------------------
+    def sync_state(self, *, source_rank: int) -> None:
+        """Every member takes the state of ``source_rank`` (a replicated strategy's hand-over)."""
+        self._call_all("sync_state", [(source_rank,)] * self.size)
+
+    def restore_from_peers(self, plan: PeerRestorePlan) -> None:
+        """Every member takes its shards of the new layout from the copies ``plan`` names."""
+        self._call_all("restore_from_peers", [(plan,)] * self.size)
+
+    def restore(self, path: str, step: int) -> str | None:
+        """Every member loads the checkpoint at ``path`` (of ``step``); why its files were refused (an altered
+        file), or None when it was loaded."""
+        return self._call_all("restore", [(path, step)] * self.size)[0]
+
+    def save_checkpoint(self) -> str:
+        """Every member saves its part of the state now; the checkpoint's path."""
+        return self._call_all("save_checkpoint")[0]
+
+    def full_model_file(self, *, replicated: bool) -> bytes:
+        """model.pt's bytes: from rank 0 alone when every rank holds the whole model, else gathered by all."""
+        if replicated:
+            return self._call_one(0, "full_model_file")
+        return self._call_all("full_model_file", [(rank == 0,) for rank in range(self.size)])[0]
+
+    def evaluate(self) -> dict[str, float]:
+        """The evaluation of the current state (every member takes part; rank 0's metrics)."""
+        return self._call_all("evaluate")[0]
+
+    def memory(self) -> list[dict[str, int]]:
+        """Each member's memory figures, in rank order."""
+        return self._call_all("memory")
+
+    def _call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1,
+                  on_failure: Callable[[], Any] | None = None) -> list[Any]:
         """Call a collective ``method`` on every member (with ``args[rank]``) and return the results, every wait
         bounded (actors/worker_group/member_calls.py); ``rendezvous``: how many collective timeouts the call may
         wait out; ``on_failure``: called once the call is known to have failed. Raises MembersFailed naming the dead and
@@ -240,8 +273,8 @@ class WorkerGroup:
         return call_members(list(self.membership.members), method, args, bounds=self.bounds, rendezvous=rendezvous,
                             on_failure=on_failure)
 
-    def call_one(self, rank: int, method: str, *args: Any) -> Any:
-        """A call that is no collective, on the member of ``rank``, bounded as ``call_all``'s are."""
+    def _call_one(self, rank: int, method: str, *args: Any) -> Any:
+        """A call that is no collective, on the member of ``rank``, bounded as ``_call_all``'s are."""
         try:
             return call_members([self.membership.members[rank]], method, [args], bounds=self.bounds)[0]
         except MembersFailed as failure:

@@ -10,7 +10,7 @@ hung. The outcome: the results, or ``MembersFailed`` naming the dead and hung (t
 lost a peer are survivors), or ``MemberRaised`` for an error of the job itself. A hung member is killed the
 moment it is found, so that its peers' waits for it end too.
 
-Example (``WorkerGroup.call_all``)::
+Example (``WorkerGroup._call_all``)::
 
     results = call_members(members, "save_checkpoint", None, bounds=CallBounds(collective_timeout_s=30,
                                                                             step_timeout_s=10, max_call_s=600))

@@ -26,6 +26,7 @@ from raylastic.actors.worker.actor import JoinReport
 from raylastic.actors.worker_group.group import MembersFailed
 from raylastic.strategies.build import build_strategy
 from raylastic.strategies.checkpoint_manifest import CheckpointManifest, write_manifest
+from raylastic.strategies.peer_restore import PeerRestorePlan
 from tests.support.helpers import job
 
 
@@ -114,34 +115,37 @@ class FakeGroup:
         return [JoinReport(node_id="node", step=self.steps.setdefault(name, 0), shard_copies=held)
                 for name, held in zip(self.members, copies, strict=True)]
 
-    def call_all(self, method: str, args: list[tuple] | None = None, *, rendezvous: int = 1) -> list:
-        self._call(method)
-        if method == "sync_state":
-            source = self.members[args[0][0]]
-            self.steps = {name: self.steps[source] for name in self.members}
-            return [self.steps[source]] * self.size
-        if method == "restore":
-            path, step = args[0]
-            if path in self.refused:
-                return [self.refused[path]] * self.size
-            self.steps = {name: step for name in self.members}
-            return [None] * self.size
-        if method == "restore_from_peers":
-            self.steps = dict.fromkeys(self.members, args[0][0].step)
-            return [args[0][0].step] * self.size
-        if method == "save_checkpoint":
-            return [self._save()] * self.size
-        if method == "evaluate":
-            return [{"accuracy": 0.9}] * self.size
-        if method == "full_model_file":
-            return [b"model.pt"] + [None] * (self.size - 1)
-        if method == "memory":
-            return [{"parameters": 1}] * self.size
-        raise AssertionError(f"unexpected call_all({method!r})")
+    def sync_state(self, *, source_rank: int) -> None:
+        self._call("sync_state")
+        source = self.members[source_rank]
+        self.steps = {name: self.steps[source] for name in self.members}
 
-    def call_one(self, rank: int, method: str, *args: object) -> object:
-        self._call(method)
+    def restore_from_peers(self, plan: PeerRestorePlan) -> None:
+        self._call("restore_from_peers")
+        self.steps = dict.fromkeys(self.members, plan.step)
+
+    def restore(self, path: str, step: int) -> str | None:
+        self._call("restore")
+        if path in self.refused:
+            return self.refused[path]
+        self.steps = dict.fromkeys(self.members, step)
+        return None
+
+    def save_checkpoint(self) -> str:
+        self._call("save_checkpoint")
+        return self._save()
+
+    def full_model_file(self, *, replicated: bool) -> bytes:
+        self._call("full_model_file")
         return b"model.pt"
+
+    def evaluate(self) -> dict[str, float]:
+        self._call("evaluate")
+        return {"accuracy": 0.9}
+
+    def memory(self) -> list[dict[str, int]]:
+        self._call("memory")
+        return [{"parameters": 1}] * self.size
 
     def start_training(self, until_step: int, faults: list, shares: tuple[int, ...] | None = None) -> None:
         self._call("train")
