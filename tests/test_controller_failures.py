@@ -8,10 +8,12 @@ requests in every state - each test in milliseconds, no Ray.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
 from raylastic.actors.controller.controller import Controller, RunFailed
+from raylastic.actors.controller.policies import FailurePolicy, RunPolicies
 from raylastic.actors.controller.states import (
     Failed,
     Finished,
@@ -38,6 +40,7 @@ from tests.support.fake_group import (
     with_member,
     write_checkpoint,
 )
+from tests.support.helpers import job
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -261,3 +264,13 @@ def test_a_checkpoint_its_loaders_refuse_is_passed_over_for_the_next_one(tmp_pat
     [rejected] = events(run, "checkpoint_rejected")
     assert (rejected["path"], rejected["reason"]) == (newest, "__1_0.distcp does not match its checksum")
     assert events(run, "generation_formed")[-1]["state_source"] == "checkpoint"
+
+
+def test_the_controller_asks_the_policies_it_is_given_not_the_jobs(tmp_path):
+    """The job allows 3 failures; the FailurePolicy the Controller is given allows none."""
+    config = job(f"training.steps={STEPS}", "failure.max_failures=3")
+    strict = replace(RunPolicies.for_job(config), failure=FailurePolicy(max_failures=0))
+    run, _ = controller(tmp_path, "failure.max_failures=3", policies=strict)
+    run.state = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time())
+    failed = run.advance()
+    assert isinstance(failed, Failed) and "max_failures" in failed.reason and run.failures == 1

@@ -22,17 +22,15 @@ import ray
 from raylastic.actors.controller.drains import Drains
 from raylastic.actors.controller.policies import (
     AllStopped,
-    FailurePolicy,
     FromCheckpoint,
     FromPeers,
     FromRank,
     GenerationFinished,
-    GenerationJudge,
     JobError,
     KeepTraining,
     Raise,
     Resize,
-    ScalingPolicy,
+    RunPolicies,
     ScalingState,
     StateLost,
     Verdict,
@@ -77,18 +75,16 @@ WAIT_SLICE_S = 1.0
 
 class Controller:
     def __init__(self, job: JobConfig, checkpoint_root: str, reserved: ReservedBundles | None = None,
-                 profile_dir: str | None = None, *, group: WorkerGroup | None = None) -> None:
-        """``group``: the workers (built from ``job`` unless given, e.g. a test's fake)."""
+                 profile_dir: str | None = None, *, group: WorkerGroup | None = None,
+                 policies: RunPolicies | None = None) -> None:
+        """``group``: the workers (built from ``job`` unless given, e.g. a test's fake); ``policies``: the decisions
+        (``RunPolicies.for_job(job)`` unless given)."""
         self.job = job
         self.log = RunLog()
         self.metrics = RunMetrics(job.name)
         self.checkpoints = RunCheckpoints(root=checkpoint_root, config_hash=job.math_hash(), log=self.log)
         self.replicated = job.strategy.replicated
-        self.scaling_policy = ScalingPolicy(min_workers=job.scaling.min_workers, max_workers=job.scaling.max_workers,
-                                            spare_workers=job.scaling.spare_workers)
-        self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
-        self.judge = GenerationJudge(step_timeout_s=job.failure.step_timeout_s, max_step_s=job.failure.max_step_s,
-                                     collective_timeout_s=job.failure.collective_timeout_s)
+        self.policies = policies or RunPolicies.for_job(job)
         self.faults = FaultPlan(job.faults)
         if group is None:
             checkpointer = CheckpointSettings(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
@@ -238,7 +234,7 @@ class Controller:
             self._log_start_failures()
             self.drains.act_on_notices(status, step=self.step)
             self.drains.drain_stragglers(status, step=self.step, min_workers=self.job.scaling.min_workers)
-            verdict = self.judge.decide(status)
+            verdict = self.policies.judge.decide(status)
             if not isinstance(verdict, KeepTraining):
                 break
             if not boundary_requested:
@@ -271,13 +267,13 @@ class Controller:
         True when a membership change was asked for."""
         state = ScalingState(num_workers=status.world_size + status.num_joining, num_placeable=status.num_placeable,
                              num_spares_ready=status.num_spares_ready, num_spares=status.num_spares)
-        decision, taken = self.scaling_policy.decide(state), 0
+        decision, taken = self.policies.scaling.decide(state), 0
         if isinstance(decision, Resize):
             taken = self.group.promote_spares(decision.from_spares)
             self.group.add_joiners(decision.num_workers - state.num_workers - taken)
             if taken:
                 self.log.event("spares_taken", self.step, workers=taken, reason="scale-up")
-        self.group.add_spares(self.scaling_policy.spares_to_start(state, decision))
+        self.group.add_spares(self.policies.scaling.spares_to_start(state, decision))
         if status.membership_change_ready or taken:
             self.group.request_boundary()
             return True
@@ -310,7 +306,7 @@ class Controller:
         self.failures += 1  # one incident, however many workers it took
         self.metrics.failed(len(state.lost))
         self.faults.disarm({worker.rank for worker in state.lost if worker.rank is not None}, self.step)
-        decision = self.failure_policy.decide(self.failures)
+        decision = self.policies.failure.decide(self.failures)
         if isinstance(decision, Raise):
             last = "; ".join(worker.describe() for worker in state.lost)
             return Failed(f"{decision.reason}; last failure: {last}{self.checkpoints.note()}")
@@ -363,7 +359,7 @@ class Controller:
     # -- what the actions share -----------------------------------------------------------------------------
     def _take_spares(self, *, reason: str) -> None:
         """Ready spares join now, up to max_workers (their slots are asked for again by the failed workers)."""
-        wanted = self.scaling_policy.spares_to_take(num_workers=self.group.size + self.group.num_joining,
+        wanted = self.policies.scaling.spares_to_take(num_workers=self.group.size + self.group.num_joining,
                                                     num_spares_ready=self.group.num_spares_ready)
         if wanted and (taken := self.group.promote_spares(wanted)):
             self.log.event("spares_taken", self.step, workers=taken, reason=reason)

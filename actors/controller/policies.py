@@ -12,6 +12,8 @@ Every decision of a run is taken here, from a snapshot:
 - ``read_drain_notices``: which draining nodes' workers leave at the next step boundary, and which drains
   were called off.
 
+``RunPolicies`` holds the three a Controller is built with (``RunPolicies.for_job``, or a test's own).
+
 Example::
 
     ScalingPolicy(min_workers=2, max_workers=4).decide(ScalingState(num_workers=2, num_placeable=1))  # Resize(3)
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raylastic.actors.status.group import DONE_PHASES, GroupStatus, LostWorker
-from raylastic.jobconfig import StrategyConfig
+from raylastic.jobconfig import JobConfig, StrategyConfig
 from raylastic.strategies.checkpoint_catalogue import Checkpoint
 from raylastic.strategies.peer_restore import PeerRestorePlan
 
@@ -310,3 +312,22 @@ def choose_state_source(*, replicated: bool, pending: Checkpoint | None, member_
     if newest_checkpoint is not None and newest_checkpoint.manifest.step > member_steps[best]:
         return FromCheckpoint(newest_checkpoint)
     return FromRank(best)
+
+
+# -- the set a Controller is given ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunPolicies:
+    scaling: ScalingPolicy
+    failure: FailurePolicy
+    judge: GenerationJudge
+
+    @classmethod
+    def for_job(cls, job: JobConfig) -> RunPolicies:
+        """The policies the job's ``scaling:`` and ``failure:`` sections set."""
+        return cls(scaling=ScalingPolicy(min_workers=job.scaling.min_workers, max_workers=job.scaling.max_workers,
+                                         spare_workers=job.scaling.spare_workers),
+                   failure=FailurePolicy(max_failures=job.failure.max_failures),
+                   judge=GenerationJudge(step_timeout_s=job.failure.step_timeout_s, max_step_s=job.failure.max_step_s,
+                                         collective_timeout_s=job.failure.collective_timeout_s))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from raylastic.actors.controller.controller import Controller
+from raylastic.actors.controller.policies import RunPolicies
 from raylastic.actors.controller.states import Failed, Finished, Stopped
 from raylastic.actors.status.group import GroupStatus, LostWorker, MemberStatus, RankNews
 from raylastic.actors.status.worker import StepResult, WorkerStatus
@@ -279,11 +280,12 @@ STEPS = 6
 """Steps of the jobs the state-machine tests run."""
 
 
-def controller(tmp_path, *overrides: str, **group_options) -> tuple[Controller, FakeGroup]:
+def controller(tmp_path, *overrides: str, policies: RunPolicies | None = None,
+               **group_options) -> tuple[Controller, FakeGroup]:
     config = job(f"training.steps={STEPS}", "checkpoint.every_steps=0", *overrides)
     group = FakeGroup(checkpoint_root=tmp_path, config_hash=config.math_hash(),
                       replicated=build_strategy(config.strategy).replicated, **group_options)
-    return Controller(config, str(tmp_path), group=group), group
+    return Controller(config, str(tmp_path), group=group, policies=policies), group
 
 
 def states_until_end(run: Controller) -> list[str]:
