@@ -116,8 +116,8 @@ class FaultConfig:
                                          "step": "a positive integer"}
     """What each field takes, for the error that names a wrong or missing one."""
     action: FaultAction
-    """kill: the worker SIGKILLs itself; ray_kill: the Controller ray.kill()s it; stall: it SIGSTOPs
-    itself (a hung worker); raise: its step raises; remove_node: its node's raylet is killed (the
+    """kill: the worker SIGKILLs itself; ray_kill: it is ray.kill()ed from outside (by a task it starts);
+    stall: it SIGSTOPs itself (a hung worker); raise: its step raises; remove_node: its node's raylet is killed (the
     whole node leaves; refused on the head node); kill_server (strategy.name=async_ps): parameter server ``rank``
     SIGKILLs itself as it applies update ``step``."""
     rank: int

@@ -1,4 +1,5 @@
-"""Injected faults fire once per run: the Controller's FaultPlan, and the worker's FaultInjector.
+"""Injected faults fire once per run: the Controller's FaultPlan, and the worker's step hooks (installed only
+when the job configures faults or a link).
 
     python -m pytest tests/test_fault_plan.py -q
 """
@@ -12,8 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from raylastic.actors.faults.plan import FaultInjector, FaultPlan, InjectedFault
-from raylastic.jobconfig import FaultConfig
+from raylastic.actors.faults.plan import FaultPlan
+from raylastic.actors.faults.step_hooks import (
+    FaultInjector,
+    InjectedFault,
+    SlowLink,
+    Throttle,
+    step_hooks,
+    throttle_factor,
+)
+from raylastic.actors.status.worker import StepResult
+from raylastic.jobconfig import FaultConfig, LinkConfig
+from raylastic.strategies.emulated_link import EmulatedLink
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,13 +65,17 @@ def test_disarming_leaves_the_faults_it_was_built_from_alone():
 
 
 def test_the_injector_fires_a_fault_before_its_step_only():
-    announced = []
-    injector = FaultInjector([fault(0, 3, "raise")], on_ray_kill=lambda: announced.append(True))
+    injector = FaultInjector([fault(0, 3, "raise")])
     injector.before_step(2)
     with pytest.raises(InjectedFault, match="step 3 on rank 0"):
         injector.before_step(3)
     injector.before_step(4)
-    assert announced == []
+
+
+def test_a_step_has_hooks_only_for_what_the_job_configures():
+    assert step_hooks((), EmulatedLink.of(LinkConfig())) == ()  # the defaults: no faults, no link
+    hooks = step_hooks((fault(0, 3), throttle(0, 1, 2.0)), EmulatedLink(latency_ms=1.0))
+    assert [type(hook) for hook in hooks] == [FaultInjector, Throttle, SlowLink]
 
 
 def throttle(rank: int, step: int, factor: float, until_step: int | None = None) -> FaultConfig:
@@ -68,10 +83,37 @@ def throttle(rank: int, step: int, factor: float, until_step: int | None = None)
 
 
 def test_a_throttle_slows_its_steps_and_no_others():
-    injector = FaultInjector([throttle(1, 10, 3.0, until_step=20)], on_ray_kill=lambda: None)
-    assert [injector.throttle_factor(step) for step in (9, 10, 20, 21)] == [1.0, 3.0, 3.0, 1.0]
-    injector.before_step(10)  # fires nothing: the step loop asks for the factor instead
-    assert FaultInjector([throttle(0, 5, 2.0)], on_ray_kill=lambda: None).throttle_factor(10**6) == 2.0
+    faults = [throttle(1, 10, 3.0, until_step=20)]
+    assert [throttle_factor(faults, step) for step in (9, 10, 20, 21)] == [1.0, 3.0, 3.0, 1.0]
+    assert throttle_factor([throttle(0, 5, 2.0)], 10**6) == 2.0
+    FaultInjector(faults).before_step(10)  # fires nothing: a throttle is the Throttle hook's
+
+
+def result_of(step: int, *, compute_s: float = 0.0, bytes_sent: int = 0) -> StepResult:
+    return StepResult(step=step, loss_sum=1.0, samples=4, duration_s=compute_s, finished_at=time.time(),
+                      compute_s=compute_s, bytes_sent=bytes_sent)
+
+
+def test_a_throttled_step_computes_factor_times_as_long_as_the_step_before_it():
+    hook = Throttle([throttle(0, 2, 3.0)])
+    hook.before_compute(1)
+    hook.after_step(result_of(1, compute_s=0.05))  # unthrottled
+    started = time.perf_counter()
+    hook.before_compute(2)
+    assert time.perf_counter() - started >= 2 * 0.05
+    hook.after_step(result_of(2, compute_s=0.05 + time.perf_counter() - started))
+    started = time.perf_counter()
+    hook.before_compute(3)  # still 3x what the step took less its throttle, not 3x of 3x
+    assert 2 * 0.05 <= time.perf_counter() - started < 9 * 0.05
+
+
+def test_a_slow_link_adds_its_delay_to_a_step_that_sent_bytes_only():
+    hook = SlowLink(EmulatedLink(bandwidth_gbit_s=0.08, latency_ms=10.0))  # 1e6 bytes: 0.1 s + 0.01 s
+    unsent = result_of(1)
+    assert hook.after_step(unsent) is unsent
+    sent = result_of(2, compute_s=0.5, bytes_sent=1_000_000)
+    delayed = hook.after_step(sent)
+    assert delayed.link_delay_s == pytest.approx(0.11) and delayed.duration_s == pytest.approx(0.61)
 
 
 def test_a_throttle_outlives_failures_until_its_last_step():
@@ -84,7 +126,7 @@ def test_a_throttle_outlives_failures_until_its_last_step():
 
 STALL_FROM_A_THREAD = """
 import sys, threading
-from raylastic.actors.faults.plan import fire
+from raylastic.actors.faults.step_hooks import fire
 from raylastic.jobconfig import FaultConfig
 
 def step():

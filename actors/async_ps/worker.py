@@ -25,7 +25,7 @@ from raylastic.actors.async_ps.leases import Lease, StepReport
 from raylastic.actors.data.batch_split import BatchSplit
 from raylastic.actors.data.batches import fetch_batch, loader_inputs, to_device
 from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
-from raylastic.actors.faults.plan import fire, throttle_factor
+from raylastic.actors.faults.step_hooks import fire, throttle_factor
 from raylastic.actors.processes.allocator import keep_freed_memory
 from raylastic.actors.worker.optimizer_recipe import clip_gradients
 from raylastic.actors.worker.step import NonFiniteStep, seed_rng, step_seed

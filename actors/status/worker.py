@@ -8,7 +8,7 @@ from typing import Literal
 
 from raylastic.actors.status.run import Event
 
-Phase = Literal["idle", "training", "stopped", "finished", "failed", "awaiting_kill"]
+Phase = Literal["idle", "training", "stopped", "finished", "failed"]
 ErrorCause = Literal["peer_lost", "job"]
 """Why a worker failed: a collective lost its peer (recovered), or the job itself raised (fatal)."""
 

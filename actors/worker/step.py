@@ -19,8 +19,8 @@ gradients on every rank, so the norm is the same everywhere, and a NaN loss on o
 Under fp16 an inf/NaN gradient is the loss scaler's overflow signal instead: it skips the step and
 lowers the scale; only a non-finite loss then counts.
 
-With an emulated slow link (``link:``, strategies/emulated_link.py) a step that sent bytes ends with a
-sleep of what they would take on it, after its communication: the step takes longer, its math is the same.
+Test and demo machinery (injected faults, a throttled rank, an emulated slow link) acts through the step
+hooks it is given (actors/faults/step_hooks.py), only when the job configures it.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -40,11 +40,11 @@ from raylastic.actors.data.batch_split import BatchSplit
 from raylastic.actors.data.batches import planned_batches, to_device
 from raylastic.actors.data.compute_clock import ComputeClock
 from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
+from raylastic.actors.faults.step_hooks import StepHook
 from raylastic.actors.status.worker import StepResult
 from raylastic.actors.worker.optimizer_recipe import clip_gradients, learning_rate, set_learning_rate
 from raylastic.jobconfig import DataConfig, OptimConfig
 from raylastic.strategies.base import Strategy, TrainState
-from raylastic.strategies.emulated_link import EmulatedLink
 from raylastic.workloads.protocol import Workload
 
 
@@ -77,10 +77,6 @@ class StepRunner:
     """How each step's global batch is split over the ranks (None: evenly over the current group)."""
     clock: ComputeClock | None = None
     """Measures each step's compute time (None: the step's duration stands for it)."""
-    link: EmulatedLink | None = None
-    """An emulated slow link: each step that sent bytes sleeps what they take on it (None: none)."""
-    _unthrottled_compute_s: float = field(default=0.0, init=False, repr=False)
-    """The last step's compute time less its throttle: what a throttle multiplies."""
 
     def current_split(self) -> BatchSplit:
         if self.split is not None and self.split.world_size == dist.get_world_size():
@@ -97,18 +93,17 @@ class StepRunner:
                                pin_memory=self.device.type == "cuda")
 
     def run(self, state: TrainState, step_index: int, batches: Iterator[Any] | None = None,
-            throttle: float = 1.0, before_reduction: Callable[[], None] | None = None) -> StepResult:
+            hooks: Sequence[StepHook] = (), before_reduction: Callable[[], None] | None = None) -> StepResult:
         """Train on step ``step_index`` (0-based), its micro-batches taken from ``batches`` (this rank's,
         in order: ``self.batches``; None: fetched from ``self.dataset`` now), and commit it; collectives fail
-        if a peer is lost. ``throttle`` > 1 makes this rank's compute take that many times as long (a test's
-        or demo's slow rank: faults ``throttle``). ``before_reduction`` is called before the backward that
-        reduces the gradients: what every rank must have done before any rank can commit this step."""
+        if a peer is lost. ``hooks``: the step hooks the job configures (none by default). ``before_reduction``
+        is called before the backward that reduces the gradients: what every rank must have done before any
+        rank can commit this step."""
         started = time.perf_counter()
         if self.clock is not None:
             self.clock.start()
-        if throttle > 1:
-            time.sleep((throttle - 1) * self._unthrottled_compute_s)
-        slept = time.perf_counter() - started
+        for hook in hooks:
+            hook.before_compute(step_index + 1)
         if batches is None:
             batches = self.batches(self.dataset, step_index, step_index + 1)
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -139,7 +134,6 @@ class StepRunner:
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         backward_returned = time.perf_counter()
         compute_s = self.clock.compute_s(backward_returned - started) if self.clock else backward_returned - started
-        self._unthrottled_compute_s = max(0.0, compute_s - slept)
         consumed = self._gather_sample_ids(indices, split) if self.record_samples else None
         if self.scaler is not None:
             self.scaler.unscale_(state.optimizer)  # the norm and the clipping see the true gradients
@@ -156,17 +150,17 @@ class StepRunner:
         traffic = state.comm.state.take_traffic() if state.comm else None
         timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
         bytes_sent = (traffic.bytes_sent if traffic else 0) + between_steps.bytes_sent
-        link_delay_s = self.link.delay_s(bytes_sent, messages=1 if bytes_sent else 0) if self.link else 0.0
-        if link_delay_s:
-            time.sleep(link_delay_s)
-        return StepResult(step=step_index + 1, loss_sum=loss_value, samples=len(indices),
-                          duration_s=time.perf_counter() - started, finished_at=time.time(),
-                          sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm, compute_s=compute_s,
-                          bytes_sent=bytes_sent,
-                          uncompressed_bytes=(traffic.uncompressed_bytes if traffic else 0)
-                          + between_steps.uncompressed_bytes,
-                          comm_s=timing.comm_s if timing else None,
-                          exposed_comm_s=timing.exposed_comm_s if timing else None, link_delay_s=link_delay_s)
+        result = StepResult(step=step_index + 1, loss_sum=loss_value, samples=len(indices),
+                            duration_s=time.perf_counter() - started, finished_at=time.time(),
+                            sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm, compute_s=compute_s,
+                            bytes_sent=bytes_sent,
+                            uncompressed_bytes=(traffic.uncompressed_bytes if traffic else 0)
+                            + between_steps.uncompressed_bytes,
+                            comm_s=timing.comm_s if timing else None,
+                            exposed_comm_s=timing.exposed_comm_s if timing else None)
+        for hook in hooks:
+            result = hook.after_step(result)
+        return result
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "fp32":

@@ -21,7 +21,6 @@ the checkpoint saves (actors/worker/saver.py) and fault injection (actors/faults
 
 from __future__ import annotations
 
-import functools
 import gc
 import importlib
 import io
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from raylastic.actors.data.batch_split import BatchSplit
 from raylastic.actors.data.compute_clock import ComputeClock
 from raylastic.actors.data.order import GlobalSampleOrder
-from raylastic.actors.faults.plan import FaultInjector
+from raylastic.actors.faults.step_hooks import step_hooks
 from raylastic.actors.processes.allocator import keep_freed_memory
 from raylastic.actors.processes.priority import run_at_normal_priority
 from raylastic.actors.processes.setup_hook import ProcessStart
@@ -92,7 +91,8 @@ class TrainWorker:
             micro_batch_size=training.micro_batch_size, device=self.device, optim=spec.optim,
             total_steps=training.steps, seed=training.seed, record_samples=training.record_samples,
             precision=training.precision, scaler=torch.amp.GradScaler("cuda") if training.precision == "fp16" else None,
-            on_nonfinite=training.on_nonfinite, clock=ComputeClock(self.device), link=EmulatedLink.of(spec.link))
+            on_nonfinite=training.on_nonfinite, clock=ComputeClock(self.device))
+        self.link = EmulatedLink.of(spec.link)
         self.evaluator = Evaluator(self.workload, batch_size=spec.eval.batch_size, device=self.device,
                                    autocast=self.runner.autocast)
         self.status = StatusMailbox()
@@ -251,9 +251,8 @@ class TrainWorker:
         of each step's samples every rank takes at first (None: even shares).
         """
         self.runner.split = BatchSplit(tuple(shares)) if shares else None
-        injector = FaultInjector(faults, on_ray_kill=functools.partial(self.status.set_phase, "awaiting_kill"))
         self._now_holds_run_state()
-        self.loop.start(self.state, until_step, injector, self.copies)
+        self.loop.start(self.state, until_step, step_hooks(faults, self.link), self.copies)
 
     def request_stop(self) -> None:
         """Vote to stop at a step boundary (the next vote's, ~actors.worker.stop_vote.VOTE_PERIOD_S away);

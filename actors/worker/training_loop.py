@@ -1,9 +1,9 @@
 """A worker's step loop, in a thread of its own so that the actor keeps answering ``poll`` while it trains.
 
-Each step: the injected faults of the step, a stop vote when one is due, the step itself, its
-result to the status mailbox, the buddy copy of the sharded state (strategies/buddy_copy.py), the
-profiler, a periodic save and a periodic evaluation. The hang watchdog (failure.max_step_s) sees the
-step and the work at its boundary, a save included. With
+Each step: the step hooks' work before it (injected faults: actors/faults/step_hooks.py), a stop vote when
+one is due, the step itself, its result to the status mailbox, the buddy copy of the sharded state
+(strategies/buddy_copy.py), the profiler, a periodic save and a periodic evaluation. The hang watchdog
+(failure.max_step_s) sees the step and the work at its boundary, a save included. With
 ``balance`` on, each vote also hands every rank's compute rate to every rank, and the batch split
 follows them (actors/data/balance.py): a new split takes effect at the step after the vote, on every rank.
 The loop ends at ``until_step`` ("finished"), after a stop vote ("stopped") or on an error ("failed",
@@ -12,7 +12,7 @@ with its cause)::
     loop = TrainingLoop(runner=runner, dataset=dataset, evaluator=evaluator, saver=saver, status=status,
                         device=device, training=spec.training, data=spec.data, eval=spec.eval,
                         balance=BalanceSettings(enabled=True, straggler_factor=4.0, node_id=node))
-    loop.start(state, until_step=100, injector=FaultInjector(faults, on_ray_kill=...))
+    loop.start(state, until_step=100, hooks=step_hooks(faults, link))  # () unless faults or a link
     loop.request_stop()                 # every rank stops after the same step
     loop.leave(collective_timeout_s=60)  # before joining another group; raises TrainingThreadHung
 """
@@ -24,6 +24,7 @@ import statistics
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from raylastic.actors.data.balance import Balancer
-from raylastic.actors.faults.plan import FaultInjector
+from raylastic.actors.faults.step_hooks import StepHook
 from raylastic.actors.status.peer_loss import is_peer_loss
 from raylastic.actors.status.run import Event
 from raylastic.actors.worker.actor import TrainingThreadHung
@@ -96,13 +97,14 @@ class TrainingLoop:
         self._thread: threading.Thread | None = None
         self._profiled = False
 
-    def start(self, state: TrainState, until_step: int, injector: FaultInjector,
+    def start(self, state: TrainState, until_step: int, hooks: Sequence[StepHook] = (),
               copies: BuddyCopies | None = None) -> None:
-        """Start the thread; it trains ``state`` until ``until_step``, a stop vote, or an error. ``copies``: the
-        generation's buddy exchange of the sharded state (one each step)."""
+        """Start the thread; it trains ``state`` until ``until_step``, a stop vote, or an error. ``hooks``: the
+        step hooks the job configures; ``copies``: the generation's buddy exchange of the sharded state (one
+        each step)."""
         self.wait(timeout_s=0.0)
         self.status.set_phase("training")
-        self._thread = threading.Thread(target=self._run, args=(state, until_step, injector, copies),
+        self._thread = threading.Thread(target=self._run, args=(state, until_step, hooks, copies),
                                         name="step-loop", daemon=True)
         self._thread.start()
 
@@ -132,15 +134,16 @@ class TrainingLoop:
                                          f"asked to end (phase {self.status.phase}, step {self.status.step})")
             self._thread = None
 
-    def _run(self, state: TrainState, until_step: int, injector: FaultInjector, copies: BuddyCopies | None) -> None:
+    def _run(self, state: TrainState, until_step: int, hooks: Sequence[StepHook], copies: BuddyCopies | None
+             ) -> None:
         try:
             with self._profiler() as profiler:
-                self._steps(state, until_step, injector, profiler, copies)
+                self._steps(state, until_step, hooks, profiler, copies)
         except BaseException as error:  # noqa: BLE001 - any failure is reported (DCP's errors are BaseExceptions)
             cause = "peer_lost" if is_peer_loss(error) else "job"
             self.status.set_phase("failed", f"{type(error).__name__}: {error}\n{traceback.format_exc()}", cause)
 
-    def _steps(self, state: TrainState, until_step: int, injector: FaultInjector, profiler: Any,
+    def _steps(self, state: TrainState, until_step: int, hooks: Sequence[StepHook], profiler: Any,
                copies: BuddyCopies | None) -> None:
         status, compiling = self.status, self.training.compile
         strategy, scaler = self.runner.strategy, self.runner.scaler
@@ -152,13 +155,14 @@ class TrainingLoop:
         if copies is not None:
             copies.start(strategy, state, scaler, status.step)  # the state this generation starts from
         while status.step < until_step:
-            injector.before_step(status.step + 1)
+            for hook in hooks:
+                hook.before_step(status.step + 1)
             step_index = status.step
             voting = vote.due(step_index)
             if voting:
                 vote.open(step_index, stop=self._stop_requested.is_set(), rate=meter.take())
             with status.step_in_flight():
-                result = self.runner.run(state, step_index, batches, throttle=injector.throttle_factor(step_index + 1),
+                result = self.runner.run(state, step_index, batches, hooks,
                                          before_reduction=copies.finish if copies is not None else None)
             meter.add(result.samples, result.compute_s)
             # torch.compile compiles lazily, in the generation's first step

@@ -46,7 +46,6 @@ class GenerationPoller:
                 news += self._take(member, rank, self.polls.pop(member.name))
                 if self.views[member.name].phase not in DONE_PHASES:  # a done worker has nothing more to say
                     self.polls[member.name] = self._poll(member)
-        self._fire_ray_kills()
         if self.first_error_at is None and any(v.error for v in self.views.values()):
             self.first_error_at = time.monotonic()
         return self.statuses(), tuple(news)
@@ -100,12 +99,6 @@ class GenerationPoller:
             status.version
         view.error_cause, view.step_running_s = status.error_cause, status.step_running_s
         return [RankNews(rank, status)]
-
-    def _fire_ray_kills(self) -> None:
-        """The ``ray_kill`` fault: a worker that reached it waits mid-step for Ray to kill it from outside."""
-        for member in self.members:
-            if self.views[member.name].phase == "awaiting_kill":
-                ray.kill(member.actor, no_restart=True)
 
 
 def death_reason(error: RayActorError) -> str:
