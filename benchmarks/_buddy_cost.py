@@ -1,4 +1,4 @@
-"""The buddy copy's steady-state cost, for benchmarks/redundancy.py: the GPT recipe of benchmarks/throughput.py
+"""The buddy copy's steady-state cost, for benchmarks/redundancy.py: the GPT recipe of benchmarks/sides.py
 (workloads.gpt over a memory-mapped token file, AdamW in two groups, warm-up + cosine lr, clipping at 1.0, bf16
 autocast) with zero3 at 4 workers of 0.5 CPU and one copy of the sharded state, ``strategy.buddy_copy`` on
 against off, no periodic checkpoint on either side. Per round one run of each side, the side that goes first
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import alternated
-from benchmarks.throughput import GPT_MODEL, GPT_PRECISION, GPT_RECIPE, WARMUP_FRACTION, gpt_token_dir, measure_ours
+from benchmarks.sides import GPT_MODEL, GPT_PRECISION, GPT_RECIPE, WARMUP_FRACTION, gpt_token_dir, measure_ours
 from raylastic.jobconfig import job_config_from_dict
 
 NUM_WORKERS, CPUS_PER_WORKER, GLOBAL_BATCH, SEED = 4, 0.5, 64, 0

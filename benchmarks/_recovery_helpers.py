@@ -16,6 +16,24 @@ from typing import Any
 
 from raylastic.actors.processes import setup_hook
 
+HIDDEN = 512
+"""The width of the recovery benchmarks' digits MLP (benchmarks/recovery.py, benchmarks/redundancy.py)."""
+TIMELINE_STEPS_BEFORE_KILL = 25
+"""The failure timelines keep steps from K-25 on: what the plot shows."""
+
+
+def summarize_failure(commits: list[tuple[int, float]], kill_step: int) -> dict[str, Any]:
+    """``commits``: (step, time) of every step commit in commit order, redone steps included."""
+    kill_at = next(t for s, t in commits if s == kill_step - 1)
+    after = [(s, t) for s, t in commits if t > kill_at]
+    first_step, first_at = after[0]
+    lost = (kill_step - 1) - (first_step - 1)
+    return {"recovery_s": round(first_at - kill_at, 4), "first_step_after_kill": first_step,
+            "back_at_step_k_s": round(next(t for s, t in after if s == kill_step) - kill_at, 4),
+            "committed_steps_lost": lost, "steps_redone": lost + 1,
+            "timeline": [[round(t - kill_at, 4), s] for s, t in commits if s >= kill_step - TIMELINE_STEPS_BEFORE_KILL]}
+
+
 RAY_TRAIN_FACTS = {  # paths under the installed ray package (2.60), for what the JSON reports about Ray Train
     "elastic_resize_monitor_interval_s": "ray/train/v2/api/config.py:102 ScalingConfig.elastic_resize_monitor_"
                                          "interval_s = 60.0: ElasticScalingPolicy (v2/_internal/execution/"

@@ -12,7 +12,7 @@ import ray
 
 import raylastic.cluster.job
 from benchmarks import _recovery_changes as changes
-from benchmarks.recovery import HIDDEN, summarize_failure
+from benchmarks._recovery_helpers import HIDDEN, summarize_failure
 from raylastic.jobconfig import load_job_config
 
 NUM_WORKERS, MIN_WORKERS, CPUS_PER_WORKER, GLOBAL_BATCH, LR, SEED = 4, 3, 0.5, 64, 1e-3, 0

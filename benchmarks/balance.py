@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from benchmarks.common import RESULTS, alternated, code_version, machine_info
-from benchmarks.throughput import WARMUP_FRACTION, measure_ours, run_torchrun
+from benchmarks.sides import WARMUP_FRACTION, measure_ours, run_torchrun
 from raylastic.actors.status.run import RunResult
 from raylastic.cluster.connect import ray_session
 from raylastic.jobconfig import job_config_from_dict

@@ -97,3 +97,9 @@ def alternated(sides: Sequence[T], round_index: int) -> list[T]:
     """``sides`` in round ``round_index``'s order: reversed every other round, so that drift in the machine's load
     over a benchmark falls on every side alike."""
     return list(sides) if round_index % 2 == 0 else list(reversed(sides))
+
+
+def numbers(run: dict) -> dict[str, float]:
+    """A run's numeric figures, its ``breakdown``'s among them, for medians over rounds."""
+    flat = {**run, **run.get("breakdown", {})}
+    return {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -54,7 +54,8 @@ import torch
 
 from benchmarks import _recovery_changes as changes
 from benchmarks import _recovery_helpers as helpers
-from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray
+from benchmarks._recovery_helpers import HIDDEN, summarize_failure
+from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray, numbers
 from raylastic.actors.controller.controller import RunFailed
 from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process
@@ -62,12 +63,11 @@ from raylastic.actors.status.run import Event
 from raylastic.jobconfig import load_job_config
 from raylastic.jobconfig.naming import worker_name
 
-NUM_WORKERS, GLOBAL_BATCH, HIDDEN, CHECKPOINT_EVERY, LR, SEED = 2, 64, 512, 10, 1e-3, 0
+NUM_WORKERS, GLOBAL_BATCH, CHECKPOINT_EVERY, LR, SEED = 2, 64, 10, 1e-3, 0
 GOALS = {"recovery_s_below": 1.5, "speedup_at_least": 5.0, "steps_redone_at_most": 1, "scale_up_s_below": 3.0,
          "spare_recovery_s_below": 1.0, "spare_scale_up_s_below": 1.0, "drain_steps_lost_at_most": 0}
 MEASURED = ("ours_min1", "ours_min2", "ours_min2_late", "ours_spare", "ray_train", "scale_up", "scale_up_spare",
             "drain", "startup", "startup_warm")
-TIMELINE_STEPS_BEFORE_KILL = 25  # the failure timelines keep steps from K-25 on: what the plot shows
 WARM_PROCESS_GRACE_S = 5.0  # a process started ahead imports torch and the worker's modules in ~2.5 s
 DRAIN_STEPS = 100_000  # a cap: the run is stopped a few seconds after the node left
 
@@ -83,18 +83,6 @@ def job_overrides(name: str, steps: int, min_workers: int, kill_step: int | None
         return [*overrides, "checkpoint.every_steps=0"]
     return [*overrides, f"checkpoint.every_steps={CHECKPOINT_EVERY}",
             f"faults=[{{action: kill, rank: 1, step: {kill_step}}}]"]
-
-
-def summarize_failure(commits: list[tuple[int, float]], kill_step: int) -> dict[str, Any]:
-    """``commits``: (step, time) of every step commit in commit order, redone steps included."""
-    kill_at = next(t for s, t in commits if s == kill_step - 1)
-    after = [(s, t) for s, t in commits if t > kill_at]
-    first_step, first_at = after[0]
-    lost = (kill_step - 1) - (first_step - 1)
-    return {"recovery_s": round(first_at - kill_at, 4), "first_step_after_kill": first_step,
-            "back_at_step_k_s": round(next(t for s, t in after if s == kill_step) - kill_at, 4),
-            "committed_steps_lost": lost, "steps_redone": lost + 1,
-            "timeline": [[round(t - kill_at, 4), s] for s, t in commits if s >= kill_step - TIMELINE_STEPS_BEFORE_KILL]}
 
 
 def run_ours(name: str, scratch: Path, steps: int, kill_step: int, min_workers: int, spare_workers: int = 0) -> dict:
@@ -238,11 +226,6 @@ def wait_for_free_cpus(count: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while ray.available_resources().get("CPU", 0) < count and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-def numbers(run: dict) -> dict[str, float]:
-    flat = {**run, **run.get("breakdown", {})}
-    return {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def summarize(rounds: list[dict]) -> dict:

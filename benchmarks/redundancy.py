@@ -61,8 +61,8 @@ import torch
 from benchmarks import _buddy_cost, _redundancy_plot
 from benchmarks import _recovery_changes as changes
 from benchmarks import _redundancy_runs as runs
-from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray
-from benchmarks.recovery import HIDDEN, numbers
+from benchmarks._recovery_helpers import HIDDEN
+from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray, numbers
 from raylastic.workloads.digits import Digits
 
 GOALS = {"r2": {"steps_redone_at_most": 1, "time_lost_s_below": 2.0},

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from benchmarks._torchrun_ddp import PlainDDP, step_batches
 from benchmarks.common import RESULTS, alternated, machine_info
-from benchmarks.throughput import job_sections
+from benchmarks.sides import job_sections
 from raylastic.actors.data.batch_split import BatchSplit
 from raylastic.actors.data.batches import planned_batches, to_device
 from raylastic.actors.data.order import GlobalSampleOrder

@@ -121,6 +121,22 @@ def test_no_module_imports_itself_back_at_import_time():
         pytest.fail(f"an import circle: {' -> '.join(circle.args[1])}")
 
 
+def test_no_benchmark_script_imports_another():
+    """A benchmark (``python -m benchmarks.<name>``: a module with a ``main`` and no leading underscore) takes what
+    it shares from the library modules (benchmarks/common.py, benchmarks/sides.py, the peer's
+    benchmarks/_torchrun_ddp.py, ...), not from another benchmark."""
+    benchmarks = {path.stem: path for path in (REPO_ROOT / "benchmarks").glob("*.py")}
+    scripts = {name for name, path in benchmarks.items()
+               if not name.startswith("_") and re.search(r"^def main\(", path.read_text(), re.M)}
+    for name in sorted(scripts):
+        tree = ast.parse(benchmarks[name].read_text())
+        imported = {node.module.split(".")[1] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.module and node.module.startswith("benchmarks.")}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                     and node.module == "benchmarks" for alias in node.names}
+        assert not imported & scripts, f"benchmarks/{name}.py imports the scripts {sorted(imported & scripts)}"
+
+
 CONTROLLER_SIDE = ("raylastic.actors.controller.controller", "raylastic.actors.worker.actor",
                    "raylastic.actors.rendezvous.keys", "raylastic.strategies.checkpoint_catalogue",
                    "raylastic.strategies.group_assignment")
