@@ -33,6 +33,7 @@ from raylastic.strategies.peer_restore import ShardCopy
 from tests.support.fake_group import (
     STEPS,
     FakeGroup,
+    advance,
     controller,
     events,
     lose,
@@ -85,7 +86,7 @@ def _in_state(tmp_path, state: str, strategy: str) -> tuple[Controller, FakeGrou
 def test_members_lost_in_any_state_are_recovered_from(tmp_path, state, method, strategy):
     run, group = _in_state(tmp_path, state, strategy)
     group.fail(method, lose("w2", 2))
-    recovering = run.advance()
+    recovering = advance(run)
     assert isinstance(recovering, Recovering) and recovering.lost[0].name == "w2", recovering
     assert states_until_end(run)[-1] == "finished", run.state
     assert run.failures == 1 and group.member_names == ["w0", "w1"] and run.state.result.final_step == STEPS
@@ -95,7 +96,7 @@ def test_members_lost_in_any_state_are_recovered_from(tmp_path, state, method, s
 def test_a_job_error_in_any_state_fails_the_run(tmp_path, state, method, strategy):
     run, group = _in_state(tmp_path, state, strategy)
     group.fail(method, MemberRaised(f"w1 raised an error in {method}\nTraceback: OSError: disk full"))
-    assert isinstance(run.advance(), Failed)
+    assert isinstance(advance(run), Failed)
     first_line, traceback = run.state.reason.split("\n", 1)
     assert first_line.startswith(f"w1 raised an error in {method}; ") and "checkpoint" in first_line
     assert traceback == "Traceback: OSError: disk full"
@@ -105,19 +106,19 @@ def test_a_failure_while_forming_keeps_the_checkpoint_the_generation_was_to_load
     run, group = controller(tmp_path, "checkpoint.resume=auto", "scaling.min_workers=1")
     write_checkpoint(tmp_path / "step_00000003", 3, 2, run.job.math_hash())
     group.fail("join", lose("w1", 1))
-    run.advance()  # placing -> forming(restore step 3)
-    recovering = run.advance()
+    advance(run)  # placing -> forming(restore step 3)
+    recovering = advance(run)
     assert isinstance(recovering, Recovering) and recovering.restore.manifest.step == 3
-    forming = run.advance()
+    forming = advance(run)
     assert forming.restore.manifest.step == 3
-    run.advance()
+    advance(run)
     assert run.step == 3 and events(run, "generation_formed")[0]["state_source"] == "checkpoint"
 
 
 def test_a_second_failure_while_recovering_is_counted_and_recovered_from(tmp_path):
     run, group = controller(tmp_path, "scaling.min_workers=1", "failure.max_failures=2", workers=3)
     run.state = Forming()
-    run.advance()
+    advance(run)
     group.on_poll(lambda status: with_member(status, "w2", dead="actor died"))
     group.fail("join", lose("w1", 1))  # the re-formation loses another
     names = states_until_end(run)
@@ -128,7 +129,7 @@ def test_a_second_failure_while_recovering_is_counted_and_recovered_from(tmp_pat
 def test_a_second_failure_beyond_max_failures_fails_the_run(tmp_path):
     run, group = controller(tmp_path, "scaling.min_workers=1", "failure.max_failures=1", workers=3)
     run.state = Forming()
-    run.advance()
+    advance(run)
     group.on_poll(lambda status: with_member(status, "w2", dead="actor died"))
     group.fail("join", lose("w1", 1))
     assert states_until_end(run) == ["recovering", "forming", "recovering", "failed"]
@@ -156,7 +157,7 @@ def test_a_stop_ends_a_stoppable_state_before_it_acts(tmp_path, state):
     run, group = controller(tmp_path)
     run.state = state
     run.stop()
-    assert isinstance(run.advance(), Stopped) and group.calls == []
+    assert isinstance(advance(run), Stopped) and group.calls == []
 
 
 def test_a_stop_during_formation_takes_effect_once_the_generation_is_formed(tmp_path):
@@ -169,43 +170,69 @@ def test_a_stop_during_formation_takes_effect_once_the_generation_is_formed(tmp_
         return original_form(**kwargs)
 
     group.form = form_while_the_user_stops
-    assert isinstance(run.advance(), Running)
-    assert isinstance(run.advance(), Stopped) and "train" not in group.calls
+    assert isinstance(advance(run), Running)
+    assert isinstance(advance(run), Stopped) and "train" not in group.calls
     with pytest.raises(RunFailed, match="run stopped by the user at step 0"):
         run.run()
+
+
+def test_a_stop_asked_as_training_starts_is_asked_of_the_members_again(tmp_path):
+    """The stop came after the generation's members forgot stop requests (at their join), before they trained."""
+    run, group = controller(tmp_path)
+    run.state = Forming()
+    advance(run)
+    original_start = group.start_training
+
+    def start_while_the_user_stops(*args, **kwargs):
+        run.stop()
+        original_start(*args, **kwargs)  # the fake's members, like the real ones, start with no stop request
+
+    group.start_training = start_while_the_user_stops
+    assert isinstance(advance(run), Resizing)
+    assert isinstance(advance(run), Stopped) and 0 < run.step < STEPS
+
+
+def test_each_transition_of_a_training_generation_takes_one_poll(tmp_path):
+    run, group = controller(tmp_path)
+    run.state = Forming()
+    run.advance()
+    for polls in (1, 2, 3):
+        state = run.advance()
+        assert isinstance(state, Running) and state.started and group.calls.count("poll") == polls
+    assert group.calls.count("train") == 1 and run.step == 3  # the fake commits a step per poll
 
 
 def test_a_stop_while_training_ends_at_the_next_boundary(tmp_path):
     run, group = controller(tmp_path)
     run.state = Forming()
-    run.advance()
+    advance(run)
     group.on_poll(lambda status: (run.stop(), status)[1])
-    assert isinstance(run.advance(), Resizing)  # every member stopped after the same step
-    assert isinstance(run.advance(), Stopped) and 0 < run.step < STEPS
+    assert isinstance(advance(run), Resizing)  # every member stopped after the same step
+    assert isinstance(advance(run), Stopped) and 0 < run.step < STEPS
 
 
 def test_a_recovery_completes_before_a_stop_takes_effect(tmp_path):
     run, group = controller(tmp_path, "scaling.min_workers=1")
     run.state = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time())
     run.stop()
-    assert isinstance(run.advance(), Forming) and "drop w1" in group.calls and run.failures == 1
-    assert isinstance(run.advance(), Stopped)
+    assert isinstance(advance(run), Forming) and "drop w1" in group.calls and run.failures == 1
+    assert isinstance(advance(run), Stopped)
 
 
 def test_a_stop_while_finishing_lets_the_run_finish(tmp_path):
     run, group = controller(tmp_path)
     run.state, run.step, group.steps = Finishing(), STEPS, {"w0": STEPS, "w1": STEPS}
     run.stop()
-    assert isinstance(run.advance(), Finished)
+    assert isinstance(advance(run), Finished)
 
 
 def test_progress_reports_the_state(tmp_path):
     run, group = controller(tmp_path)
     assert run.progress().state == "placing"
-    run.advance()
+    advance(run)
     status = run.progress()
     assert (status.state, status.generation, status.world_size, status.members) == ("forming", -1, 2, ["w0", "w1"])
-    run.advance()
+    advance(run)
     assert run.progress().state == "running" and run.progress().generation == 0
     assert Placing().name == "placing"
 
@@ -217,7 +244,7 @@ def test_finishing_saves_then_gathers_then_evaluates_and_a_failed_evaluation_kee
     run, group = controller(tmp_path, "strategy.name=zero3")
     run.state, run.step, group.steps = Finishing(), STEPS, {"w0": STEPS, "w1": STEPS}
     group.fail("evaluate", MemberRaised("w0 raised an error in evaluate\nTraceback: ValueError: empty eval set"))
-    failed = run.advance()
+    failed = advance(run)
     assert [c for c in group.calls if c in ("save_checkpoint", "full_model_file", "evaluate")] == [
         "save_checkpoint", "full_model_file", "evaluate"]
     assert isinstance(failed, Failed) and failed.model_state == b"model.pt"  # the fake's gathered model
@@ -230,8 +257,8 @@ def test_finishing_saves_then_gathers_then_evaluates_and_a_failed_evaluation_kee
 def test_a_sharded_run_that_lost_a_shard_with_no_copy_and_no_checkpoint_fails_rather_than_restart(tmp_path):
     run, group = controller(tmp_path, "strategy.name=zero2", "scaling.min_workers=1", workers=3)
     run.state, run.step = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), 9
-    run.advance()
-    failed = run.advance()
+    advance(run)
+    failed = advance(run)
     assert isinstance(failed, Failed) and "join" in group.calls and "restore" not in group.calls
     assert failed.reason.startswith("the sharded state of step 9 is lost: a worker and its buddy")
     assert "rather than start over from step 0" in failed.reason and not events(run, "generation_formed")
@@ -244,7 +271,7 @@ def test_workers_that_cannot_start_are_reported_and_fail_the_run_naming_the_erro
     run.state = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time())
     group.start_failures = [StartFailure("w7", "node-b", "ModuleNotFoundError: No module named 'mypkg'")]
     group.fail("admit_ready_joiners", WorkersCannotStart("3 new workers in a row could not start: ModuleNotFoundError"))
-    failed = run.advance()
+    failed = advance(run)
     assert isinstance(failed, Failed) and "ModuleNotFoundError" in failed.reason
     [started] = events(run, "worker_start_failed")
     assert (started["worker"], started["node_id"], started["error"]) == (
@@ -258,9 +285,9 @@ def test_a_checkpoint_its_loaders_refuse_is_passed_over_for_the_next_one(tmp_pat
     newest = str(tmp_path / "step_00000010")
     group.refused[newest] = "__1_0.distcp does not match its checksum"
     run.state, run.step = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), 12
-    run.advance()
-    assert isinstance(run.advance(), Forming) and run.step == 12  # refused: nothing loaded, formed again
-    assert isinstance(run.advance(), Running) and run.step == 5
+    advance(run)
+    assert isinstance(advance(run), Forming) and run.step == 12  # refused: nothing loaded, formed again
+    assert isinstance(advance(run), Running) and run.step == 5
     [rejected] = events(run, "checkpoint_rejected")
     assert (rejected["path"], rejected["reason"]) == (newest, "__1_0.distcp does not match its checksum")
     assert events(run, "generation_formed")[-1]["state_source"] == "checkpoint"
@@ -272,5 +299,5 @@ def test_the_controller_asks_the_policies_it_is_given_not_the_jobs(tmp_path):
     strict = replace(RunPolicies.for_job(config), failure=FailurePolicy(max_failures=0))
     run, _ = controller(tmp_path, "failure.max_failures=3", policies=strict)
     run.state = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time())
-    failed = run.advance()
+    failed = advance(run)
     assert isinstance(failed, Failed) and "max_failures" in failed.reason and run.failures == 1

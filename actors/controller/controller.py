@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 
 import ray
 
@@ -44,7 +45,6 @@ from raylastic.actors.controller.run_log import RunLog
 from raylastic.actors.controller.run_metrics import RunMetrics
 from raylastic.actors.controller.share_book import ShareBook
 from raylastic.actors.controller.states import (
-    STOPPABLE,
     TERMINAL,
     Failed,
     Finished,
@@ -57,6 +57,7 @@ from raylastic.actors.controller.states import (
     RunState,
     Stopped,
     WaitingForWorkers,
+    stops_at_once,
 )
 from raylastic.actors.faults.plan import FaultPlan
 from raylastic.actors.status.group import GroupStatus, LostWorker
@@ -98,8 +99,13 @@ class Controller:
         """The newest step the run committed."""
         self.failures = 0
         self.stop_requested = False
-        self.drains = Drains(self.group, self.log)
+        self.drains = Drains(self.group, self.log, min_workers=job.scaling.min_workers)
         self.shares = ShareBook(job.training.global_batch_size, job.scaling.straggler_factor)
+        self.training_progress = Progress(self.step)
+        """The training generation's committed step and open recovery, as its polls bring them in."""
+        self.poll_observers: tuple[Callable[[GroupStatus, int], None], ...] = (
+            self.shares.observe, self.drains.observe, self._observe_start_failures)
+        """What every poll of a training generation goes to, after the run's log and metrics."""
         self._actions = {Placing: self._place, Forming: self._form, Running: self._train, Resizing: self._resize,
                          Recovering: self._recover, WaitingForWorkers: self._wait_for_workers,
                          Finishing: self._finish}
@@ -124,7 +130,7 @@ class Controller:
         state before it acts; a failure of workers in any state leads to recovering."""
         state = self.state
         try:
-            if self.stop_requested and isinstance(state, STOPPABLE):
+            if self.stop_requested and stops_at_once(state):
                 following = Stopped()
             else:
                 following = self._actions[type(state)](state)
@@ -221,30 +227,36 @@ class Controller:
         return Running(recovering_since=state.recovering_since)
 
     def _train(self, state: Running) -> RunState:
-        """Train the generation, judging every poll, until the judge sees an end."""
-        shares = self.shares.split_for(self.group.member_names) if self.job.scaling.balance == "auto" else None
-        self.group.start_training(self.job.training.steps, [self.faults.for_rank(r) for r in range(self.group.size)],
-                                  shares)
-        progress, boundary_requested = Progress(self.step, state.recovering_since), False
-        while True:
-            status = self.group.poll()
-            progress = take_in(status, self.log, self.metrics, progress)
-            self.step = progress.step
-            self.shares.take_in(status)
-            self._log_start_failures()
-            self.drains.act_on_notices(status, step=self.step)
-            self.drains.drain_stragglers(status, step=self.step, min_workers=self.job.scaling.min_workers)
-            verdict = self.policies.judge.decide(status)
-            if not isinstance(verdict, KeepTraining):
-                break
-            if not boundary_requested:
-                boundary_requested = self._consider_scaling(status)
+        """One poll of the training generation (started first, at the first transition): the poll's observers take
+        it in, the judge decides whether the generation trains on, and a scale-up may ask for a boundary."""
+        if not state.started:
+            shares = self.shares.split_for(self.group.member_names) if self.job.scaling.balance == "auto" else None
+            self.group.start_training(self.job.training.steps,
+                                      [self.faults.for_rank(r) for r in range(self.group.size)], shares)
+            self.training_progress = Progress(self.step, state.recovering_since)
+        status = self.group.poll()
+        self._take_in(status)
+        verdict = self.policies.judge.decide(status)
+        if isinstance(verdict, KeepTraining):
+            boundary_requested = state.boundary_requested or self._consider_scaling(status)
+            if self.stop_requested and not boundary_requested:  # a stop asked while the generation formed
+                self.group.request_boundary()
+                boundary_requested = True
+            return Running(self.training_progress.recovering_since, started=True, boundary_requested=boundary_requested)
         final = self.group.end_generation()
-        progress = take_in(final, self.log, self.metrics, progress)
-        self.shares.take_in(final)
-        self.step = progress.step
+        self._take_in(final)
         self.log.close_generation(self.group.generation)
-        return self._after_generation(verdict, final, progress.recovering_since)
+        return self._after_generation(verdict, final, self.training_progress.recovering_since)
+
+    def _take_in(self, status: GroupStatus) -> None:
+        """A poll's news into the run's log, metrics and progress; then every observer of the poll."""
+        self.training_progress = take_in(status, self.log, self.metrics, self.training_progress)
+        self.step = self.training_progress.step
+        for observe in self.poll_observers:
+            observe(status, self.step)
+
+    def _observe_start_failures(self, status: GroupStatus, step: int) -> None:
+        self._log_start_failures()
 
     def _after_generation(self, verdict: Verdict, final: GroupStatus, recovering_since: float | None) -> RunState:
         if isinstance(verdict, GenerationFinished):

@@ -5,9 +5,8 @@ this carries them out on the WorkerGroup and logs them.
 
 Example (the Controller, every poll, and at the boundary)::
 
-    drains = Drains(group, log)
-    drains.act_on_notices(status, step=120)
-    drains.drain_stragglers(status, step=120, min_workers=2)
+    drains = Drains(group, log, min_workers=2)
+    drains.observe(status, step=120)  # acts on drain notices, drains stragglers min_workers can spare
     drains.left(step=121)          # the boundary: "worker_left" and "drained" events
 """
 
@@ -22,12 +21,18 @@ from raylastic.actors.status.group import GroupStatus
 
 
 class Drains:
-    def __init__(self, group: Any, log: RunLog) -> None:
-        """``group``: the WorkerGroup (or a test's fake)."""
+    def __init__(self, group: Any, log: RunLog, *, min_workers: int) -> None:
+        """``group``: the WorkerGroup (or a test's fake); ``min_workers``: how few a straggler's drain may leave."""
         self.group = group
         self.log = log
+        self.min_workers = min_workers
         self.pending: dict[str, list[str]] = {}
         """Draining nodes acted on -> their members, which leave at the next step boundary."""
+
+    def observe(self, status: GroupStatus, step: int) -> None:
+        """Every poll: act on the drain notices, and drain the stragglers min_workers can spare."""
+        self.act_on_notices(status, step=step)
+        self.drain_stragglers(status, step=step)
 
     def act_on_notices(self, status: GroupStatus, *, step: int) -> None:
         """Members on a node Ray drains leave at the next step boundary (and are replaced elsewhere); a drain
@@ -43,9 +48,9 @@ class Drains:
             del self.pending[node]
             self.log.event("node_drain_cancelled", step, node_id=node)
 
-    def drain_stragglers(self, status: GroupStatus, *, step: int, min_workers: int) -> None:
+    def drain_stragglers(self, status: GroupStatus, *, step: int) -> None:
         """A rank that reported itself a straggler leaves at the next step boundary, if min_workers allows."""
-        for rank in stragglers_to_drain(status, min_workers=min_workers, num_leaving=self.group.num_leaving):
+        for rank in stragglers_to_drain(status, min_workers=self.min_workers, num_leaving=self.group.num_leaving):
             self.log.event("worker_draining", step, workers=self.group.drain(rank=rank), reason="straggler")
 
     def left(self, *, step: int) -> None:

@@ -6,7 +6,7 @@ a lost worker's share spread over the others (``carry_split``), so a resize does
 the ranks measured::
 
     book = ShareBook(global_batch_size=64, straggler_factor=4.0)
-    book.take_in(status)                       # every poll: the members' last step results
+    book.observe(status, step)                 # every poll: the members' last step results
     group.start_training(..., shares=book.split_for(group.member_names))
 """
 
@@ -25,7 +25,8 @@ class ShareBook:
         self.last: dict[str, int] = {}
         """Worker name -> samples it took in the last step it reported."""
 
-    def take_in(self, status: GroupStatus) -> None:
+    def observe(self, status: GroupStatus, step: int) -> None:
+        """Every poll: the members' last step results' shares."""
         for news in status.news:
             if news.status.results and news.rank < len(status.members):
                 self.last[status.members[news.rank].name] = news.status.results[-1].samples

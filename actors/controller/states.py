@@ -8,7 +8,8 @@
                  +------- waiting_for_workers (below scaling.min_workers)
 
     any state -> failed (a job error, too many failures, too few workers)
-    forming / running / resizing / waiting_for_workers -> stopped (the user asked)
+    forming / running (not yet started) / resizing / waiting_for_workers -> stopped (the user asked)
+    running -> running: one poll of the training generation per transition
 
 Each state carries what the next one needs, so the run's situation is in one value, not in flags.
 """
@@ -43,11 +44,16 @@ class Forming:
 
 @dataclass(frozen=True)
 class Running:
-    """The generation trains; each poll is judged by the GenerationJudge."""
+    """The generation trains: its first transition starts it, and each one takes one poll of the group, which
+    the poll's observers take in and the GenerationJudge judges."""
 
     name: ClassVar[str] = "running"
 
     recovering_since: float | None = None
+    started: bool = False
+    """Whether the generation's training was started (before it is, a stop request ends the run at once)."""
+    boundary_requested: bool = False
+    """Whether every member was asked to stop at the next step boundary (a membership change, a stop)."""
 
 
 @dataclass(frozen=True)
@@ -116,5 +122,11 @@ RunState = (Placing | Forming | Running | Resizing | Recovering | WaitingForWork
             | Stopped)
 TERMINAL = (Finished, Failed, Stopped)
 STOPPABLE = (Forming, Running, Resizing, WaitingForWorkers)
-"""States a stop request ends at once; the others complete first (a recovery drops the failed workers, a
-finish writes its checkpoint)."""
+"""States a stop request ends at once - a running generation only before it starts; the others complete first
+(a recovery drops the failed workers, a finish writes its checkpoint, a generation that trains stops at its next
+step boundary)."""
+
+
+def stops_at_once(state: RunState) -> bool:
+    """Whether a stop request ends ``state`` before it acts."""
+    return isinstance(state, STOPPABLE) and not (isinstance(state, Running) and state.started)

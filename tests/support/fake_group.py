@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from raylastic.actors.controller.controller import Controller
 from raylastic.actors.controller.policies import RunPolicies
-from raylastic.actors.controller.states import Failed, Finished, Stopped
+from raylastic.actors.controller.states import Failed, Finished, Running, RunState, Stopped
 from raylastic.actors.status.group import GroupStatus, LostWorker, MemberStatus, RankNews
 from raylastic.actors.status.worker import StepResult, WorkerStatus
 from raylastic.actors.worker.actor import JoinReport
@@ -288,10 +288,19 @@ def controller(tmp_path, *overrides: str, policies: RunPolicies | None = None,
     return Controller(config, str(tmp_path), group=group, policies=policies), group
 
 
+def advance(run: Controller) -> RunState:
+    """One transition, but a training generation's polls taken together: from a running generation that has
+    started, the state after it."""
+    state = run.advance()
+    while isinstance(state, Running) and state.started:
+        state = run.advance()
+    return state
+
+
 def states_until_end(run: Controller) -> list[str]:
     names = []
     while not isinstance(run.state, Finished | Failed | Stopped):
-        names.append(run.advance().name)
+        names.append(advance(run).name)
     return names
 
 
