@@ -95,11 +95,12 @@ def test_members_lost_in_any_state_are_recovered_from(tmp_path, state, method, s
 @pytest.mark.parametrize(("state", "method", "strategy"), FAILING_CALLS)
 def test_a_job_error_in_any_state_fails_the_run(tmp_path, state, method, strategy):
     run, group = _in_state(tmp_path, state, strategy)
-    group.fail(method, MemberRaised(f"w1 raised an error in {method}\nTraceback: OSError: disk full"))
+    group.fail(method, MemberRaised("w1", "Traceback: OSError: disk full", where=f"in {method}"))
     assert isinstance(advance(run), Failed)
     first_line, traceback = run.state.reason.split("\n", 1)
-    assert first_line.startswith(f"w1 raised an error in {method}; ") and "checkpoint" in first_line
+    assert first_line.startswith(f"w1 raised an error in {method} (not retried") and "checkpoint" in first_line
     assert traceback == "Traceback: OSError: disk full"
+    assert events(run, "worker_failed")[-1]["traceback"] == traceback  # as an error found by a poll is logged
 
 
 def test_a_failure_while_forming_keeps_the_checkpoint_the_generation_was_to_load(tmp_path):
@@ -243,7 +244,7 @@ def test_progress_reports_the_state(tmp_path):
 def test_finishing_saves_then_gathers_then_evaluates_and_a_failed_evaluation_keeps_both(tmp_path):
     run, group = controller(tmp_path, "strategy.name=zero3")
     run.state, run.step, group.steps = Finishing(), STEPS, {"w0": STEPS, "w1": STEPS}
-    group.fail("evaluate", MemberRaised("w0 raised an error in evaluate\nTraceback: ValueError: empty eval set"))
+    group.fail("evaluate", MemberRaised("w0", "Traceback: ValueError: empty eval set", where="in evaluate"))
     failed = advance(run)
     assert [c for c in group.calls if c in ("save_checkpoint", "full_model_file", "evaluate")] == [
         "save_checkpoint", "full_model_file", "evaluate"]

@@ -14,6 +14,7 @@ from others.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from collections.abc import Callable
@@ -27,7 +28,6 @@ from raylastic.actors.controller.policies import (
     FromPeers,
     FromRank,
     GenerationFinished,
-    JobError,
     KeepTraining,
     Raise,
     Resize,
@@ -60,7 +60,7 @@ from raylastic.actors.controller.states import (
     stops_at_once,
 )
 from raylastic.actors.faults.plan import FaultPlan
-from raylastic.actors.status.group import GroupStatus, LostWorker
+from raylastic.actors.status.group import Failure, GroupStatus, JobError, LostWorker, WorkersLost
 from raylastic.actors.status.run import RunFailed, RunResult, RunStatus
 from raylastic.actors.worker_group.group import MemberRaised, MembersFailed, WorkerGroup
 from raylastic.actors.worker_group.membership import WorkersCannotStart
@@ -134,10 +134,8 @@ class Controller:
                 following = Stopped()
             else:
                 following = self._actions[type(state)](state)
-        except MembersFailed as failure:
-            following = self._recovering_from(state, failure.lost)
-        except MemberRaised as error:
-            following = Failed(self.checkpoints.with_note(str(error)))
+        except (MembersFailed, MemberRaised) as failure:  # a call on the members failed: the same verdicts as a poll's
+            following = self._after_failure(failure.verdict, state)
         except ForeignCheckpoint as error:
             following = Failed(str(error))
         except WorkersCannotStart as error:
@@ -149,13 +147,17 @@ class Controller:
         self.state = following
         return following
 
-    @staticmethod
-    def _recovering_from(state: RunState, lost: tuple[LostWorker, ...]) -> Recovering:
-        """Members were lost while forming, training, resizing or finishing: the recovery keeps when the first
-        failure happened and the checkpoint a forming generation was to load."""
+    def _after_failure(self, failure: Failure, state: RunState) -> RunState:
+        """Where every failure goes, whether a poll's judge or a call on the members found it: members lost while
+        forming, training, resizing or finishing are recovered from (the recovery keeps when the first failure
+        happened and the checkpoint a forming generation was to load); an error of the job ends the run."""
+        if isinstance(failure, JobError):
+            for name, error in failure.errors:
+                self.log.event("worker_failed", self.step, worker=name, reason="raised an error", traceback=error)
+            return Failed(self.checkpoints.with_note(failure.reason(self.step)))
         since = state.recovering_since if isinstance(state, Forming | Running) else None
         restore = state.restore if isinstance(state, Forming) else None
-        return Recovering(lost, recovering_since=since or time.time(), restore=restore)
+        return Recovering(failure.lost, recovering_since=since or time.time(), restore=restore)
 
     def progress(self, history_since: int = 0, events_since: int = 0, evaluations_since: int = 0,
                  wait_s: float = 0.0) -> RunStatus:
@@ -246,7 +248,7 @@ class Controller:
         final = self.group.end_generation()
         self._take_in(final)
         self.log.close_generation(self.group.generation)
-        return self._after_generation(verdict, final, self.training_progress.recovering_since)
+        return self._after_generation(verdict, final)
 
     def _take_in(self, status: GroupStatus) -> None:
         """A poll's news into the run's log, metrics and progress; then every observer of the poll."""
@@ -258,21 +260,17 @@ class Controller:
     def _observe_start_failures(self, status: GroupStatus, step: int) -> None:
         self._log_start_failures()
 
-    def _after_generation(self, verdict: Verdict, final: GroupStatus, recovering_since: float | None) -> RunState:
+    def _after_generation(self, verdict: Verdict, final: GroupStatus) -> RunState:
         if isinstance(verdict, GenerationFinished):
             return Finishing()
         if isinstance(verdict, AllStopped):
             return Resizing()
-        if isinstance(verdict, JobError):
-            for name, error in verdict.errors:
-                self.log.event("worker_failed", self.step, worker=name, reason="raised an error", traceback=error)
-            name, error = verdict.errors[0]
-            return Failed(f"{name} raised an error at step {self.step + 1} (not retried: it is the job's, not a lost "
-                          f"worker){self.checkpoints.note()}\n{error}")
-        named = {worker.name for worker in verdict.lost}  # a lost node takes several workers: every death heard
-        also_dead = [LostWorker(m.name, m.dead, rank) for rank, m in enumerate(final.members)
-                     if m.dead and m.name not in named]
-        return Recovering(verdict.lost + tuple(also_dead), recovering_since=recovering_since or time.time())
+        if isinstance(verdict, WorkersLost):  # a lost node takes several workers: every death heard by the end
+            named = {worker.name for worker in verdict.lost}
+            verdict = WorkersLost(verdict.lost + tuple(LostWorker(m.name, m.dead, rank)
+                                                       for rank, m in enumerate(final.members)
+                                                       if m.dead and m.name not in named))
+        return self._after_failure(verdict, Running(self.training_progress.recovering_since))
 
     def _consider_scaling(self, status: GroupStatus) -> bool:
         """Take spares and start joiners if the policy wants more workers, and start spares on the slots left;
@@ -355,8 +353,8 @@ class Controller:
         model_state = self.group.full_model_file(replicated=self.replicated)
         try:
             metrics = self.group.evaluate()
-        except MemberRaised as error:
-            return Failed(self.checkpoints.with_note(str(error)), model_state=model_state)  # the model.pt is kept
+        except MemberRaised as error:  # the model.pt is kept
+            return dataclasses.replace(self._after_failure(error.verdict, state), model_state=model_state)
         if self.job.eval.every_steps:  # the curve of eval rows ends with the final metrics
             self.log.add_evaluation(self.step, time.time(), metrics)
         memory = self.group.memory()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raylastic.actors.status.group import DONE_PHASES, GroupStatus, LostWorker
+from raylastic.actors.status.group import DONE_PHASES, GroupStatus, JobError, LostWorker, WorkersLost
 from raylastic.jobconfig import JobConfig, StrategyConfig
 from raylastic.strategies.checkpoint_catalogue import Checkpoint
 from raylastic.strategies.peer_restore import PeerRestorePlan
@@ -156,21 +156,6 @@ class GenerationFinished:
 @dataclass(frozen=True)
 class AllStopped:
     """Every member stopped after the same step (a stop or a membership change was asked for)."""
-
-
-@dataclass(frozen=True)
-class WorkersLost:
-    lost: tuple[LostWorker, ...]
-    """Empty when every member's collective lost a peer that is nonetheless still there: the group re-forms
-    as it is."""
-
-
-@dataclass(frozen=True)
-class JobError:
-    """Members raised an error of the job itself: a replacement would only meet it again."""
-
-    errors: tuple[tuple[str, str], ...]
-    """(member name, its error with the full traceback)."""
 
 
 Verdict = KeepTraining | GenerationFinished | AllStopped | WorkersLost | JobError

@@ -86,3 +86,35 @@ class GroupStatus:
     @property
     def membership_change_ready(self) -> bool:
         return self.draining or self.num_joiners_ready > 0
+
+
+# -- failures, as the Controller receives them: from a poll (the GenerationJudge) or from a call on the members --
+
+
+@dataclass(frozen=True)
+class WorkersLost:
+    """Members dead or hung: recovered from (the survivors form the next generation)."""
+
+    lost: tuple[LostWorker, ...]
+    """Empty when every member's collective lost a peer that is nonetheless still there: the group re-forms
+    as it is."""
+
+
+@dataclass(frozen=True)
+class JobError:
+    """Members raised an error of the job itself: a replacement would only meet it again, so the run ends."""
+
+    errors: tuple[tuple[str, str], ...]
+    """(member name, its error with the full traceback)."""
+    where: str | None = None
+    """Where it was raised ("in evaluate"); None: in the step after the run's newest."""
+
+    def reason(self, step: int) -> str:
+        """The run's reason to fail, ``step`` its newest committed step: the first line names the member and
+        where, the rest is the error."""
+        name, error = self.errors[0]
+        return (f"{name} raised an error {self.where or f'at step {step + 1}'} (not retried: it is the job's, not a "
+                f"lost worker)\n{error}")
+
+
+Failure = WorkersLost | JobError

@@ -139,7 +139,7 @@ class WorkerGroup:
                 continue
             except ray.exceptions.RayActorError as error:
                 if error.actor_init_failed:
-                    raise MemberRaised(f"worker {member.name} could not start: {plain_error(error)}") from None
+                    raise MemberRaised(member.name, plain_error(error), where="while starting") from None
                 lost.append(LostWorker(member.name, death_reason(error)))
             except ray.exceptions.GetTimeoutError:
                 lost.append(LostWorker(member.name, f"not started within scaling.placement_timeout_s={timeout_s}s"))

@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from raylastic.actors.status.group import LostWorker
+from raylastic.actors.status.group import JobError, LostWorker, WorkersLost
 from raylastic.actors.status.peer_loss import is_peer_loss, plain_error
 from raylastic.actors.worker.actor import TrainingThreadHung
 from raylastic.actors.worker_group.poller import death_reason
@@ -38,15 +38,21 @@ PING_S = 1.0
 
 class MembersFailed(Exception):
     """Members were found dead or hung (``lost``; empty when every member's collective lost a peer that is
-    nonetheless still there: the group re-forms as it is)."""
+    nonetheless still there: the group re-forms as it is). ``verdict`` is what the Controller acts on."""
 
     def __init__(self, lost: list[LostWorker]) -> None:
         super().__init__("; ".join(worker.describe() for worker in lost))
         self.lost = tuple(lost)
+        self.verdict = WorkersLost(self.lost)
 
 
 class MemberRaised(Exception):
-    """A member raised an error of the job itself in a call (or could not even be built)."""
+    """A member raised an error of the job itself in a call, or could not even be built (``where``: "in
+    evaluate", "while starting"). ``verdict`` is what the Controller acts on."""
+
+    def __init__(self, member: str, error: str, *, where: str) -> None:
+        self.verdict = JobError(((member, error),), where=where)
+        super().__init__(self.verdict.reason(step=0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +103,7 @@ def call_members(members: list[Any], method: str, args: list[tuple] | None, *, b
                 elif is_peer_loss(error.cause):
                     survivors_saw_a_loss = True
                 else:
-                    raise MemberRaised(f"{member.name} raised an error in {method}\n{plain_error(error)}") from None
+                    raise MemberRaised(member.name, plain_error(error), where=f"in {method}") from None
             failed_at = failed_at or time.monotonic()
         now = time.monotonic()
         for ref, rank in [(ref, rank) for ref, rank in calls.items() if now - heard[rank] > bounds.step_timeout_s]:
