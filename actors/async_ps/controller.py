@@ -33,6 +33,7 @@ from raylastic.actors.async_ps.shards import assign_parameters
 from raylastic.actors.async_ps.tickets import TicketBook
 from raylastic.actors.async_ps.worker_pool import WorkerPool, reserved_bundle
 from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.controller.policies import FailurePolicy, Raise
 from raylastic.actors.controller.run_log import RunLog
 from raylastic.actors.status.run import RunResult, RunStatus
 from raylastic.actors.worker.evaluation import Evaluator
@@ -59,6 +60,7 @@ class AsyncController:
         self.state = "placing"
         self.epoch = 0
         self.failures = 0
+        self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
         self.stop_requested = False
         self.group: ServerGroup | None = None
         self.shards: tuple[tuple[str, ...], ...] = ()
@@ -298,10 +300,11 @@ class AsyncController:
         self.log.event("worker_joined", self.book.steps_applied, worker=name)
 
     def _count_failure(self, what: str) -> None:
+        """One more failure, decided on by the FailurePolicy the synchronous Controller asks too."""
         self.failures += 1
-        if self.failures > self.job.failure.max_failures:
-            raise RunFailed(f"{what}; that is failure {self.failures}, more than failure.max_failures="
-                            f"{self.job.failure.max_failures}{self._note()}")
+        decision = self.failure_policy.decide(self.failures)
+        if isinstance(decision, Raise):
+            raise RunFailed(f"{decision.reason}; last failure: {what}{self._note()}")
 
     def _servers_caught_up(self) -> bool:
         beats = self.group.beats()
