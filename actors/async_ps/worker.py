@@ -13,6 +13,7 @@ for more work. ``run`` returns when the run has no more steps for it::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -23,12 +24,12 @@ import torch
 
 from raylastic.actors.async_ps.leases import Lease, StepReport
 from raylastic.actors.data.batch_split import BatchSplit
-from raylastic.actors.data.batches import fetch_batch, loader_inputs, to_device
+from raylastic.actors.data.batches import fetch_batch, loader_inputs
 from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
 from raylastic.actors.faults.step_hooks import fire, throttle_factor
 from raylastic.actors.processes.allocator import keep_freed_memory
 from raylastic.actors.worker.optimizer_recipe import clip_gradients
-from raylastic.actors.worker.step import NonFiniteStep, seed_rng, step_seed
+from raylastic.actors.worker.step import NonFiniteStep, backward_over_micro_batches
 from raylastic.jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from raylastic.jobconfig.link import LinkConfig
 from raylastic.strategies.emulated_link import EmulatedLink
@@ -181,28 +182,21 @@ class AsyncWorker:
 
     def _gradient(self, ticket: int) -> tuple[float, int, list[int] | None]:
         """The mean loss's gradient over step ``ticket``'s samples: (summed loss, samples, their ids if recorded)."""
+        training = self.spec.training
         indices = self.order.split_indices(ticket, self.split, 0)
-        total = len(indices)
+        count = micro_batch_count(self.split, training.micro_batch_size)
+        batches = (fetch_batch(self.source, self.collate, chunk.tolist()) for chunk in micro_batches(indices, count))
         self.model.zero_grad(set_to_none=True)
         self.model.train()
-        loss_sum, position = 0.0, 0
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.spec.training.precision == "bf16"
-                    else None)
-        for chunk in micro_batches(indices, micro_batch_count(self.split, self.spec.training.micro_batch_size)):
-            if not len(chunk):
-                continue
-            rows = chunk.tolist()
-            batch = to_device(fetch_batch(self.source, self.collate, rows), self.device)
-            seed_rng(step_seed(self.spec.training.seed, ticket, position), self.device)
-            position += len(rows)
-            if autocast is None:
-                loss = self.workload.training_step(self.model, batch)
-            else:
-                with autocast:
-                    loss = self.workload.training_step(self.model, batch)
-            (loss.float() * len(rows) / total).backward()
-            loss_sum += loss.item() * len(rows)
-        return loss_sum, total, indices.tolist() if self.spec.training.record_samples else None
+        loss_sum = backward_over_micro_batches(
+            self.workload, self.model, batches, indices, count, device=self.device, seed=training.seed,
+            step_index=ticket, position=0, weight=1 / len(indices), autocast=self._autocast)
+        return loss_sum.item(), len(indices), indices.tolist() if training.record_samples else None
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.spec.training.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
 
 AsyncWorkerActor = ray.remote(max_concurrency=2)(AsyncWorker)

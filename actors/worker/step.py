@@ -112,26 +112,14 @@ class StepRunner:
         # Averaged gradients (DDP, FSDP): weights that make the average the global batch's mean; a rank stepping
         # on its own gradient (diloco): its own mean.
         weight = world_size / self.order.global_batch_size if self.strategy.averages_gradients else 1 / len(indices)
-        position = split.bounds(rank)[0]
-        chunks = micro_batches(indices, micro_batch_count(split, self.micro_batch_size))
-        loss_sum: torch.Tensor | None = None
         lr = learning_rate(step_index, self.optim, self.total_steps)
         set_learning_rate(state.optimizer, lr)
         state.optimizer.zero_grad(set_to_none=True)
-        for number, chunk in enumerate(chunks):
-            batch = to_device(next(batches), self.device)
-            seed_rng(step_seed(self.seed, step_index, position), self.device)
-            samples = len(chunk) if number < len(indices) else 0  # 0: padding, for the same count on every rank
-            position += samples
-            last = number == len(chunks) - 1
-            with contextlib.nullcontext() if last else self.strategy.no_sync(state), self.autocast():
-                loss = self.workload.training_step(state.wrapped, batch)
-            samples_loss = loss.float() * samples
-            loss_sum = samples_loss.detach() if loss_sum is None else loss_sum + samples_loss.detach()
-            scaled = samples_loss * weight
-            if last and before_reduction is not None:
-                before_reduction()
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        loss_sum = backward_over_micro_batches(
+            self.workload, state.wrapped, batches, indices, micro_batch_count(split, self.micro_batch_size),
+            device=self.device, seed=self.seed, step_index=step_index, position=split.bounds(rank)[0], weight=weight,
+            autocast=self.autocast, no_sync=lambda: self.strategy.no_sync(state),
+            scale=self.scaler.scale if self.scaler else None, before_last=before_reduction)
         backward_returned = time.perf_counter()
         compute_s = self.clock.compute_s(backward_returned - started) if self.clock else backward_returned - started
         consumed = self._gather_sample_ids(indices, split) if self.record_samples else None
@@ -193,6 +181,40 @@ class StepRunner:
         parts = [torch.empty_like(padded, device=self.device) for _ in range(split.world_size)]
         dist.all_gather(parts, padded.to(self.device))
         return tuple(i for part in parts for i in part.tolist() if i >= 0)
+
+
+def backward_over_micro_batches(workload: Workload, model: torch.nn.Module, batches: Iterator[Any],
+                                indices: torch.Tensor, count: int, *, device: torch.device, seed: int, step_index: int,
+                                position: int, weight: float,
+                                autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                                no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                                scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                                before_last: Callable[[], None] | None = None) -> torch.Tensor:
+    """Forward and backward over one step's micro-batches on this rank - the synchronous step's and an async_ps
+    worker's alike - accumulating ``weight`` x each micro-batch's summed loss into the gradients; the summed loss.
+
+    ``indices``: this rank's samples of the step, in ``count`` micro-batches (``micro_batches``), whose batches
+    come from ``batches`` in order; ``position``: where the first one starts in the step's global batch (each
+    micro-batch seeds the RNG from it); ``no_sync``: the context every micro-batch but the last runs in (the
+    strategy's); ``scale``: fp16's loss scaling; ``before_last``: called before the backward that reduces the
+    gradients."""
+    loss_sum = torch.zeros((), device=device)
+    chunks = micro_batches(indices, count)
+    last_chunk = len(chunks) - 1
+    for number, chunk in enumerate(chunks):
+        batch = to_device(next(batches), device)
+        seed_rng(step_seed(seed, step_index, position), device)
+        samples = len(chunk) if number < len(indices) else 0  # 0: padding, for the same count on every rank
+        position += samples
+        with contextlib.nullcontext() if number == last_chunk else no_sync(), autocast():
+            loss = workload.training_step(model, batch)
+        samples_loss = loss.float() * samples
+        loss_sum = loss_sum + samples_loss.detach()
+        scaled = samples_loss * weight
+        if number == last_chunk and before_last is not None:
+            before_last()
+        (scale(scaled) if scale else scaled).backward()
+    return loss_sum
 
 
 def step_seed(seed: int, step: int, position: int) -> int:
