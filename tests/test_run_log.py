@@ -29,6 +29,14 @@ def test_a_row_sums_every_ranks_part_and_keeps_the_lowest_ranks_timings():
     assert log.history() == [row]
 
 
+def test_a_step_one_of_several_training_workers_reports_is_complete_at_once_and_shows_them_all():
+    """async_ps: one worker reports each update while three train; the row is written once, never rewritten."""
+    log = RunLog()
+    row = log.add_step(1, log.started + 1, generation=0, rank=0, world_size=3, reporting=1, loss_sum=4.0,
+                       samples=4, step_s=0.01, bytes_sent=10, uncompressed_bytes=10)
+    assert row is not None and row["world_size"] == 3 and log.history() == [row]
+
+
 def test_history_stops_at_the_first_step_a_rank_has_yet_to_report():
     log = RunLog()
     for step in (1, 2, 3):

@@ -145,14 +145,13 @@ class AsyncController:
             extra = {"skipped": True} if report.skipped else {}
             if report.link_delay_s:
                 extra["link_delay_s"] = round(report.link_delay_s, 5)
-            row = self.log.add_step(update, time.time(), generation=self.epoch, rank=0, world_size=1,
-                              loss_sum=report.loss_sum, samples=report.samples, step_s=report.step_s,
+            self.log.add_step(update, time.time(), generation=self.epoch, rank=0, world_size=len(self.pool.workers),
+                              reporting=1, loss_sum=report.loss_sum, samples=report.samples, step_s=report.step_s,
                               bytes_sent=report.bytes_sent, uncompressed_bytes=report.bytes_sent,
                               compute_s=report.compute_s, bytes_received=report.bytes_received,
                               lr=learning_rate(update - 1, self.job.optim, self.job.training.steps),
                               grad_norm=round(report.grad_norm, 6), staleness=admission.staleness,
                               ticket=report.ticket, worker=worker, **extra)
-            row["world_size"] = len(self.pool.workers)  # one worker reports an update; readers want all training
             if report.sample_ids is not None:
                 self.log.add_samples(update, tuple(report.sample_ids), generation=self.epoch, rank=0)
             return update

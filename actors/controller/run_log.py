@@ -51,6 +51,8 @@ class _StepReports:
 
     generation: int
     world_size: int
+    reporting: int
+    """How many ranks report the step: the row is complete when they all have."""
     by_rank: dict[int, _RankReport] = field(default_factory=dict)
     row: dict[str, Any] | None = None
     """The history row, once every rank reported or the generation ended (a rank that died took its
@@ -96,19 +98,20 @@ class RunLog:
 
     def add_step(self, step: int, finished_at: float, *, generation: int, rank: int, world_size: int,
                  loss_sum: float, samples: int, step_s: float, bytes_sent: int, uncompressed_bytes: int,
-                 compute_s: float = 0.0, **timings: Any) -> dict[str, Any] | None:
+                 compute_s: float = 0.0, reporting: int | None = None, **timings: Any) -> dict[str, Any] | None:
         """Record ``rank``'s report of step ``step``; returns the step's row when this report completes
-        it (every rank of the generation heard). A step redone in a later generation replaces the
-        discarded attempt."""
+        it (every rank of the generation heard; ``reporting``: how many ranks report it, when not all of the
+        ``world_size`` that trained do, as under async_ps, where one worker reports an update). A step redone in
+        a later generation replaces the discarded attempt."""
         with self._lock:
             reports = self._steps.get(step)
             if reports is None:
                 self._history_order.append(step)
             if reports is None or reports.generation != generation:
-                reports = self._steps[step] = _StepReports(generation, world_size)
+                reports = self._steps[step] = _StepReports(generation, world_size, reporting or world_size)
             reports.by_rank[rank] = _RankReport(finished_at, loss_sum, samples, step_s, compute_s, bytes_sent,
                                                 uncompressed_bytes, timings)
-            if len(reports.by_rank) == world_size:
+            if len(reports.by_rank) == reports.reporting:
                 reports.row = self._row(step, reports)
             return reports.row
 
