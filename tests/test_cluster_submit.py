@@ -18,6 +18,7 @@ another user's cluster.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -134,10 +135,11 @@ def test_a_head_without_raylastic_installed_runs_a_job_submitted_with_its_workin
     """The head's Python has raylastic's dependencies and not raylastic: the job's driver and workers import it
     from the uploaded working directory."""
     bin_dir = python_without_raylastic(tmp_path / "venv")
-    missing = subprocess.run([str(bin_dir / "python"), "-c", "import raylastic"], cwd=tmp_path, capture_output=True,
-                             text=True)
+    bare_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # it may name a checkout
+    missing = subprocess.run([str(bin_dir / "python"), "-c", "import raylastic"], cwd=tmp_path, env=bare_env,
+                             capture_output=True, text=True)
     assert "No module named 'raylastic'" in missing.stderr
-    bare = start_head(bin_dir=bin_dir)
+    bare = start_head(bin_dir=bin_dir, without=("PYTHONPATH",))
     try:
         where = "python -c 'import raylastic; print(\"raylastic from\", raylastic.__file__)'"
         job = shlex.join(["python", "-m", "raylastic", "train", "--set", "name=bare", *SHORT_JOB, *ONE_WORKER])

@@ -80,14 +80,15 @@ class RayHead:
 
 
 def start_head(num_cpus: int = 2, *, extra_env: dict[str, str] | None = None, timeout_s: float = 90.0,
-               bin_dir: Path = VENV_BIN) -> RayHead:
+               bin_dir: Path = VENV_BIN, without: tuple[str, ...] = ()) -> RayHead:
     """``ray start --head --block`` on free ports, 127.0.0.1 dashboard, with the ``python`` and ``ray`` of ``bin_dir``
-    (first on its PATH: the jobs run that python); returns once it is up."""
+    (first on its PATH: the jobs run that python) and none of the environment variables ``without``; returns once
+    it is up."""
     auth_token()
     gcs, dashboard, metrics, client, agent = free_ports(5)
     temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths have a length limit
     log_path = Path(temp_dir) / "head.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", *without)}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # as with the venv activated: jobs run its python
     env.update(PRESTART_OFF, **(extra_env or {}))
     command = [str(bin_dir / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--port={gcs}",
@@ -113,7 +114,7 @@ def start_head(num_cpus: int = 2, *, extra_env: dict[str, str] | None = None, ti
 def python_without_raylastic(directory: Path) -> Path:
     """A virtual environment in ``directory`` with every package of this one but raylastic (its site-packages
     added as a plain path, so the editable install's finder, started by a .pth file there, is not); returns its
-    bin directory, holding ``python`` and ``ray``."""
+    bin directory, holding ``python`` and ``ray``. Run it without ``PYTHONPATH``, which may name a checkout."""
     venv.create(directory, with_pip=False)
     python = directory / "bin" / "python"
     target = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
