@@ -13,7 +13,6 @@ for more work. ``run`` returns when the run has no more steps for it::
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, mi
 from raylastic.actors.faults.step_hooks import fire, throttle_factor
 from raylastic.actors.processes.allocator import keep_freed_memory
 from raylastic.actors.worker.optimizer_recipe import clip_gradients
-from raylastic.actors.worker.step import NonFiniteStep, backward_over_micro_batches
+from raylastic.actors.worker.step import NonFiniteStep, autocast_for, backward_over_micro_batches
 from raylastic.jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from raylastic.jobconfig.link import LinkConfig
 from raylastic.strategies.emulated_link import EmulatedLink
@@ -190,13 +189,9 @@ class AsyncWorker:
         self.model.train()
         loss_sum = backward_over_micro_batches(
             self.workload, self.model, batches, indices, count, device=self.device, seed=training.seed,
-            step_index=ticket, position=0, weight=1 / len(indices), autocast=self._autocast)
+            step_index=ticket, position=0, weight=1 / len(indices),
+            autocast=lambda: autocast_for(training.precision, self.device))
         return loss_sum.item(), len(indices), indices.tolist() if training.record_samples else None
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.spec.training.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
 
 AsyncWorkerActor = ray.remote(max_concurrency=2)(AsyncWorker)

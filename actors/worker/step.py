@@ -151,9 +151,7 @@ class StepRunner:
         return result
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+        return autocast_for(self.precision, self.device)
 
     def _check_finite(self, step: int, loss: float, grad_norm: float, rank: int) -> None:
         """Raise NonFiniteStep (training.on_nonfinite=fail) for an inf/NaN loss on this rank, or an inf/NaN
@@ -215,6 +213,13 @@ def backward_over_micro_batches(workload: Workload, model: torch.nn.Module, batc
             before_last()
         (scale(scaled) if scale else scaled).backward()
     return loss_sum
+
+
+def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a forward runs in under training.precision (none for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
 def step_seed(seed: int, step: int, position: int) -> int:
