@@ -74,8 +74,7 @@ class JobConfig:
         """What asynchronous training does not do (each names the field to change)."""
         unsupported = {"scaling.spare_workers": self.scaling.spare_workers != 0,
                        "training.compile": self.training.compile,
-                       "training.profile_steps": self.training.profile_steps != 0,
-                       "data.num_workers": self.data.num_workers != 0}  # its workers fetch each leased step alone
+                       "training.profile_steps": self.training.profile_steps != 0}
         for name, set_ in unsupported.items():
             if set_:
                 raise ValueError(f"{name} is not supported with strategy.name=async_ps; leave it at its default")

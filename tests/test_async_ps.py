@@ -4,9 +4,13 @@ bound, the sample ledger."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 
 import pytest
+import ray
 import torch
 
 from raylastic.actors.async_ps.checkpoints import newest_complete
@@ -16,10 +20,11 @@ from raylastic.actors.async_ps.shards import assign_parameters
 from raylastic.actors.async_ps.tickets import TicketBook
 from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_factory, set_learning_rate
-from raylastic.cluster.job import train
+from raylastic.cluster.job import RunStopped, train
 from raylastic.jobconfig import OptimConfig, TrainingConfig, WorkloadConfig, load_job_config
+from raylastic.jobconfig.naming import controller_name
 from raylastic.workloads import load_workload
-from tests.support.helpers import assert_states_close, job, load_model
+from tests.support.helpers import assert_states_close, job, load_model, wait_until_gone
 
 DIGITS_TRAIN_SAMPLES = 1437
 
@@ -209,6 +214,26 @@ def test_async_training_reaches_ddps_accuracy(tmp_path):
     assert all(row["bytes_sent"] > 0 and row["bytes_received"] > 0 and row["world_size"] == 2 for row in rows)
 
 
+@pytest.mark.usefixtures("ray_local")
+def test_an_async_run_asked_to_stop_ends_stopped_with_its_servers_and_workers_gone(tmp_path):
+    """The AsyncController's run states: a stop asked while it trains ends the run "stopped", not "failed"."""
+    def stop_after_step_5(progress) -> None:
+        if progress.step >= 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `ray job stop` does
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(RunStopped, match=r"run stopped by the user at step \d+"):
+        train(job("training.steps=3000", "strategy.name=async_ps", "strategy.server_cpus=0.25", name="ps-stop"),
+              run_dir=run_dir, on_progress=stop_after_step_5, stop_on_sigterm=True)
+    saved = json.loads((run_dir / "result.json").read_text())
+    assert saved["status"] == "stopped" and 5 <= saved["final_step"] < 3000, saved.get("error")
+    wait_until_gone(controller_name("ps-stop"))
+    deadline = time.monotonic() + 30
+    while (alive := [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if ":ps-stop:" in a["name"]]):
+        assert time.monotonic() < deadline, alive
+        time.sleep(0.2)
+
+
 def replay(config, rows: list[dict]) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The updates of an async run's history, in one process: update k's gradient is taken on its ticket's
     batch at the parameters the server served from version k - 1 - staleness (extrapolated by weight
@@ -250,7 +275,8 @@ def replay(config, rows: list[dict]) -> tuple[dict[str, torch.Tensor], list[floa
 def test_async_updates_are_the_replayed_stale_and_predicted_gradients(tmp_path):
     """Every update of a 3-worker run (one throttled) is the gradient of its ticket's batch at the (predicted)
     parameters its staleness says, applied in update order: a single-process replay of the history ends with the
-    run's model. With one worker every gradient is fresh, nothing is extrapolated, and the run is DDP's."""
+    run's model. With one worker every gradient is fresh, nothing is extrapolated, and the run is DDP's, its batches
+    fetched by data.num_workers loader processes or not."""
     settings = ("training.steps=40", "strategy.name=async_ps", "strategy.server_cpus=0.5", "optim.name=adamw")
     config = job(*settings, "scaling.max_workers=3", "faults=[{action: throttle, rank: 2, step: 1, factor: 3.0}]",
                  name="ps-replay")  # the slow worker's gradients are stale
@@ -259,7 +285,8 @@ def test_async_updates_are_the_replayed_stale_and_predicted_gradients(tmp_path):
     replayed, losses = replay(config, result.history)
     assert_states_close(load_model(tmp_path / "three"), replayed)
     assert [row["loss"] for row in sorted(result.history, key=lambda r: r["step"])] == pytest.approx(losses, rel=1e-5)
-    single = train(job(*settings, "scaling.min_workers=1", "scaling.max_workers=1", name="ps-one"),
+    single = train(job(*settings, "scaling.min_workers=1", "scaling.max_workers=1", "data.num_workers=1",
+                       name="ps-one"),
                    run_dir=tmp_path / "one")
     ddp = train(job("training.steps=40", "optim.name=adamw", "scaling.min_workers=1", "scaling.max_workers=1",
                     name="ps-ddp-one"), run_dir=tmp_path / "ddp")
@@ -337,7 +364,5 @@ def test_async_settings_are_checked():
         load_job_config(None, ["faults=[{action: kill_server, rank: 0, step: 5}]"])
     with pytest.raises(ValueError, match="scaling.spare_workers is not supported with strategy.name=async_ps"):
         load_job_config(None, ["strategy.name=async_ps", "scaling.spare_workers=1"])
-    with pytest.raises(ValueError, match="data.num_workers is not supported with strategy.name=async_ps"):
-        load_job_config(None, ["strategy.name=async_ps", "data.num_workers=2"])  # was silently ignored
     with pytest.raises(ValueError, match="strategy.predict_weights.*true or false"):
         load_job_config(None, ["strategy.name=async_ps", "strategy.predict_weights=sometimes"])

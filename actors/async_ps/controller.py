@@ -1,7 +1,8 @@
 """AsyncController: owns one asynchronous run - its servers, its workers and the books of its steps.
 
 It answers the workers (``lease``, ``admit``, ``give_back``) and the driver (``progress``, ``stop``, the
-same as the synchronous Controller's) from threads of its own, while ``run`` supervises:
+same as the synchronous Controller's) from threads of its own, while ``run`` moves through the run's states
+(states.py) one ``advance()`` at a time, as the synchronous Controller does, and supervises:
 
 - a worker that dies gives its leased steps back, and its admitted update if no server got it (the
   servers skip that number); a replacement takes its index, up to ``failure.max_failures``; a worker
@@ -30,12 +31,13 @@ from raylastic.actors.async_ps.leases import Lease, StepReport
 from raylastic.actors.async_ps.server import UnreadableCheckpoint
 from raylastic.actors.async_ps.server_group import ServerGroup, ServersLost, first_line
 from raylastic.actors.async_ps.shards import assign_parameters
+from raylastic.actors.async_ps.states import AsyncRunState, RestoringServers, Training
 from raylastic.actors.async_ps.tickets import TicketBook
 from raylastic.actors.async_ps.worker_pool import WorkerPool, reserved_bundle
-from raylastic.actors.controller.controller import RunFailed
 from raylastic.actors.controller.policies import FailurePolicy, Raise
 from raylastic.actors.controller.run_log import RunLog
-from raylastic.actors.status.run import RunResult, RunStatus
+from raylastic.actors.controller.states import TERMINAL, Failed, Finished, Finishing, Placing, Stopped
+from raylastic.actors.status.run import RunFailed, RunResult, RunStatus
 from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.optimizer_recipe import learning_rate
 from raylastic.actors.worker_group.placement import ReservedBundles
@@ -44,7 +46,7 @@ from raylastic.jobconfig.naming import controller_name
 from raylastic.workloads import load_workload
 
 SUPERVISE_S = 0.2
-"""How often ``run`` looks at its workers and servers."""
+"""How long one supervising pass waits for a worker to end before it looks at the others and the servers."""
 
 
 class AsyncController:
@@ -57,7 +59,7 @@ class AsyncController:
         self.log = RunLog()
         self.book = TicketBook(total_steps=job.training.steps, max_staleness=job.strategy.max_staleness)
         self.lock = threading.Lock()
-        self.state = "placing"
+        self.state: AsyncRunState = Placing()
         self.epoch = 0
         self.failures = 0
         self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
@@ -75,40 +77,51 @@ class AsyncController:
         """The version at which old checkpoints were last pruned."""
         self.rejected: set[Cut] = set()
         """Cuts a server could not load."""
+        self._actions = {Placing: self._place, Training: self._train, RestoringServers: self._restore,
+                         Finishing: self._finish}
 
     # -- the driver's API ------------------------------------------------------------------------------------
     def run(self) -> RunResult:
+        """Train to ``training.steps``; raises RunFailed with the reason when the run cannot go on."""
         try:
-            self._start()
-            while True:
-                self._stop_if_requested()
-                try:
-                    self._supervise()
-                    if self.book.done and self._servers_caught_up():
-                        return self._finish()
-                except ServersLost as lost:
-                    self.state = "recovering"
-                    self._recover(lost.servers)
-                    self.state = "running"
-        except RunFailed:
-            self.state = "failed" if self.state != "stopped" else "stopped"
-            raise
-        except Exception as error:  # a defect of ours: a failed run with its reason
-            self.state = "failed"
-            raise RunFailed(f"the asynchronous run failed at step {self.book.steps_applied}: "
-                            f"{type(error).__name__}: {error}{self._note()}\n{traceback.format_exc()}") from None
+            while not isinstance(self.state, TERMINAL):
+                self.advance()
         finally:
             self.stop_requested = True  # every lease from now on says finished
             self.pool.kill_all()
             if self.group is not None:
                 self.group.kill_all()
             self.log.close()
+        if isinstance(self.state, Finished):
+            return self.state.result
+        if isinstance(self.state, Stopped):
+            raise RunFailed(f"run stopped by the user at step {self.book.steps_applied}{self._note()}")
+        raise RunFailed(self.state.reason, model_state=self.state.model_state)
+
+    def advance(self) -> AsyncRunState:
+        """One transition: act in the current state and move to the next. A stop request ends a training run
+        before its next pass; servers lost in any state lead to restoring them."""
+        state = self.state
+        try:
+            if self.stop_requested and isinstance(state, Training):
+                following = Stopped()
+            else:
+                following = self._actions[type(state)](state)
+        except ServersLost as lost:
+            following = RestoringServers(tuple(lost.servers))
+        except RunFailed as failed:
+            following = Failed(str(failed), model_state=failed.model_state)
+        except Exception as error:  # a defect of ours: a failed run with its reason
+            following = Failed(f"the asynchronous run failed at step {self.book.steps_applied} while {state.name}: "
+                               f"{type(error).__name__}: {error}{self._note()}\n{traceback.format_exc()}")
+        self.state = following
+        return following
 
     def progress(self, history_since: int = 0, events_since: int = 0, evaluations_since: int = 0,
                  wait_s: float = 0.0) -> RunStatus:
         if wait_s > 0:
             self.log.wait_for_news(events_since, wait_s)
-        return RunStatus(state=self.state, generation=self.epoch, world_size=len(self.pool.workers),
+        return RunStatus(state=self.state.name, generation=self.epoch, world_size=len(self.pool.workers),
                          step=self.book.steps_applied, members=sorted(self.pool.workers), failures=self.failures,
                          history=self.log.history(history_since), events=self.log.events(events_since),
                          evaluations=self.log.evaluations(evaluations_since))
@@ -125,7 +138,7 @@ class AsyncController:
                 del self.in_flight[update]  # its pushes returned before it asked again
             if self.stop_requested or self.book.done:
                 return Lease(None, finished=True)
-            if self.state != "running":
+            if not isinstance(self.state, Training):
                 return Lease(None)
             ticket = self.book.lease(worker)
             if ticket is not None:
@@ -161,8 +174,9 @@ class AsyncController:
             self.lease_started.pop(worker, None)
             self.book.give_back(ticket, worker)
 
-    # -- starting and restoring ------------------------------------------------------------------------------
-    def _start(self) -> None:
+    # -- the states' actions --------------------------------------------------------------------------------
+    def _place(self, state: Placing) -> AsyncRunState:
+        """The servers, restored to the checkpoint to resume from (checkpoint.resume=auto), then the workers."""
         job = self.job
         self.workload = load_workload(job.workload.name, job.workload.options)
         self.evaluator = Evaluator(self.workload, batch_size=job.eval.batch_size, device=torch.device("cpu"))
@@ -175,7 +189,18 @@ class AsyncController:
             self.log.event("resumed", self.book.steps_applied, path=cut.directory, version=cut.version)
         for index in range(job.scaling.max_workers):
             self.pool.start(index)
-        self.state = "running"
+        return Training()
+
+    def _train(self, state: Training) -> AsyncRunState:
+        """One supervising pass; finishing once every step is applied and every server has caught up."""
+        self._supervise()
+        if self.book.done and self._servers_caught_up():
+            return Finishing()
+        return state
+
+    def _restore(self, state: RestoringServers) -> AsyncRunState:
+        self._recover(list(state.lost))
+        return Training()
 
     def _recover(self, lost: list[tuple[int, str]], *, from_disk: bool = True) -> Cut | None:
         """Replace the ``lost`` servers, then restore every server to the newest whole cut (``from_disk``; else the
@@ -310,11 +335,6 @@ class AsyncController:
         self._log_failed_saves()
         return all(beat.version == self.book.version for beat in beats)
 
-    def _stop_if_requested(self) -> None:
-        if self.stop_requested:
-            self.state = "stopped"
-            raise RunFailed(f"run stopped by the user at step {self.book.steps_applied}{self._note()}")
-
     # -- evaluating and finishing ---------------------------------------------------------------------------
     def _model(self) -> torch.nn.Module:
         """The servers' parameters and buffers now, in a model built here."""
@@ -330,10 +350,9 @@ class AsyncController:
             self.next_evaluation = (step // every + 1) * every
             self.log.add_evaluation(step, time.time(), metrics)
 
-    def _finish(self) -> RunResult:
+    def _finish(self, state: Finishing) -> AsyncRunState:
         """The final checkpoint, the model and its evaluation; nothing is logged until all of it is in hand (a
         server lost on the way restores the servers, and the run finishes again)."""
-        self.state = "finishing"
         step = self.book.steps_applied
         path = self._final_checkpoint()
         model = self._model()
@@ -354,11 +373,9 @@ class AsyncController:
         metrics = {**loss, **metrics, "refused_stale": self.book.refused,
                    "max_applied_staleness": max(s["max_applied_staleness"] for s in stats)}
         self.log.event("finished", step, **{k: round(v, 6) for k, v in metrics.items()})
-        self.state = "finished"
-        return RunResult(final_step=step, metrics=metrics, history=history, events=self.log.events(),
-                         model_state=model_state, checkpoint=path,
-                         eval_history=self.log.evaluations(),
-                         ledger=self.log.ledger() if self.job.training.record_samples else None)
+        return Finished(RunResult(final_step=step, metrics=metrics, history=history, events=self.log.events(),
+                                  model_state=model_state, checkpoint=path, eval_history=self.log.evaluations(),
+                                  ledger=self.log.ledger() if self.job.training.record_samples else None))
 
     def _final_checkpoint(self) -> str | None:
         """Every server's file of the last version, written by their savers while they answer heartbeats (within
@@ -376,7 +393,6 @@ class AsyncController:
                 self.log.event("checkpoint_failed", version, path=directory, error=(
                     f"not written within failure.max_step_s={self.job.failure.max_step_s}s"))
                 return None
-            self._stop_if_requested()
             time.sleep(SUPERVISE_S)
 
     def _note(self) -> str:

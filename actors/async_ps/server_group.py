@@ -35,8 +35,8 @@ from raylastic.actors.async_ps.server import (
     ServerSpec,
     UnreadableCheckpoint,
 )
-from raylastic.actors.controller.controller import RunFailed
 from raylastic.actors.processes.setup_hook import TRAINS
+from raylastic.actors.status.run import RunFailed
 from raylastic.jobconfig import JobConfig
 
 

@@ -23,13 +23,13 @@ import torch
 
 from raylastic.actors.async_ps.leases import Lease, StepReport
 from raylastic.actors.data.batch_split import BatchSplit
-from raylastic.actors.data.batches import fetch_batch, loader_inputs
+from raylastic.actors.data.leased_batches import LeasedBatches
 from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
 from raylastic.actors.faults.step_hooks import fire, throttle_factor
 from raylastic.actors.processes.allocator import keep_freed_memory
 from raylastic.actors.worker.optimizer_recipe import clip_gradients
 from raylastic.actors.worker.step import NonFiniteStep, autocast_for, backward_over_micro_batches
-from raylastic.jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
+from raylastic.jobconfig import DataConfig, FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from raylastic.jobconfig.link import LinkConfig
 from raylastic.strategies.emulated_link import EmulatedLink
 from raylastic.strategies.process_group import choose_device
@@ -45,6 +45,8 @@ class AsyncWorkerSpec:
     workload: WorkloadConfig
     training: TrainingConfig
     optim: OptimConfig
+    data: DataConfig
+    """data.num_workers processes fetch and collate a leased step's micro-batches (actors/data/leased_batches.py)."""
     use_gpu: bool
     torch_threads: int
     server_timeout_s: float
@@ -66,7 +68,8 @@ class AsyncWorker:
         self.device = choose_device(spec.use_gpu)
         self.workload = load_workload(spec.workload.name, spec.workload.options)
         dataset = self.workload.train_dataset()
-        self.source, self.collate = loader_inputs(dataset, getattr(self.workload, "collate", None))
+        self.batches = LeasedBatches(dataset, collate=getattr(self.workload, "collate", None), data=spec.data,
+                                     pin_memory=self.device.type == "cuda")
         training = spec.training
         self.order = GlobalSampleOrder(len(dataset), training.global_batch_size, training.seed)
         self.split = BatchSplit.even(training.global_batch_size, 1)
@@ -87,6 +90,7 @@ class AsyncWorker:
         while True:
             lease: Lease = ray.get(self.controller.lease.remote(self.spec.name))
             if lease.finished:
+                self.batches.close()
                 return admitted
             if lease.ticket is None:
                 time.sleep(IDLE_WAIT_S)
@@ -184,7 +188,7 @@ class AsyncWorker:
         training = self.spec.training
         indices = self.order.split_indices(ticket, self.split, 0)
         count = micro_batch_count(self.split, training.micro_batch_size)
-        batches = (fetch_batch(self.source, self.collate, chunk.tolist()) for chunk in micro_batches(indices, count))
+        batches = self.batches.fetch([chunk.tolist() for chunk in micro_batches(indices, count)])
         self.model.zero_grad(set_to_none=True)
         self.model.train()
         loss_sum = backward_over_micro_batches(

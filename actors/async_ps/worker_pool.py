@@ -41,7 +41,7 @@ class WorkerPool:
         job = self.job
         self.starts[index] = self.starts.get(index, -1) + 1
         name = f"{self.prefix}worker{index}.{self.starts[index]}"
-        spec = AsyncWorkerSpec(name=name, workload=job.workload, training=job.training, optim=job.optim,
+        spec = AsyncWorkerSpec(name=name, workload=job.workload, training=job.training, optim=job.optim, data=job.data,
                                use_gpu=job.scaling.use_gpu,
                                torch_threads=max(1, int(job.scaling.cpus_per_worker)),
                                server_timeout_s=job.failure.collective_timeout_s,

@@ -1,0 +1,42 @@
+"""The states of an asynchronous run, in the synchronous Controller's shape (actors/controller/states.py): the
+AsyncController moves from one to the next (``AsyncController.advance``)::
+
+    placing -> running -> finishing -> finished
+                 ^  |        |
+                 |  v        v
+        restoring_servers <--+        (a server lost in any state; every server back to the newest whole cut)
+
+    any state -> failed (an error of the job or of a server, too many failures)
+    running -> stopped (the user asked)
+    running -> running: one supervising pass (workers that ended, heartbeats, hung steps, evaluation)
+
+Placing, Finishing and the terminal states are the synchronous run's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from raylastic.actors.controller.states import Failed, Finished, Finishing, Placing, Stopped
+
+
+@dataclass(frozen=True)
+class Training:
+    """Workers lease, compute and push steps; each transition is one supervising pass."""
+
+    name: ClassVar[str] = "running"
+
+
+@dataclass(frozen=True)
+class RestoringServers:
+    """The lost servers are replaced (each one counted as a failure), and every server goes back to the newest whole
+    checkpoint (or the start) in a new epoch."""
+
+    name: ClassVar[str] = "recovering"
+
+    lost: tuple[tuple[int, str], ...]
+    """(server index, why it was lost)."""
+
+
+AsyncRunState = Placing | Training | RestoringServers | Finishing | Finished | Failed | Stopped
