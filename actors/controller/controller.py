@@ -277,13 +277,11 @@ class Controller:
         True when a membership change was asked for."""
         state = ScalingState(num_workers=status.world_size + status.num_joining, num_placeable=status.num_placeable,
                              num_spares_ready=status.num_spares_ready, num_spares=status.num_spares)
-        decision, taken = self.policies.scaling.decide(state), 0
-        if isinstance(decision, Resize):
-            taken = self.group.promote_spares(decision.from_spares)
-            self.group.add_joiners(decision.num_workers - state.num_workers - taken)
-            if taken:
-                self.log.event("spares_taken", self.step, workers=taken, reason="scale-up")
-        self.group.add_spares(self.policies.scaling.spares_to_start(state, decision))
+        decision = self.policies.scaling.decide(state)
+        wanted = decision.num_workers - state.num_workers if isinstance(decision, Resize) else 0
+        taken = self.group.grow(wanted, spares=self.policies.scaling.spares_to_start(state, decision))
+        if taken:
+            self.log.event("spares_taken", self.step, workers=taken, reason="scale-up")
         if status.membership_change_ready or taken:
             self.group.request_boundary()
             return True
@@ -335,8 +333,8 @@ class Controller:
         deadline. Each call waits at most WAIT_SLICE_S, so a stop request is heard."""
         self._take_spares(reason="failure")
         missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
-        self.group.add_joiners(missing - self.group.num_joining)
-        self.group.wait_for_joiners(max(0.0, min(WAIT_SLICE_S, state.deadline - time.monotonic())))
+        self.group.grow(missing - self.group.num_joining,
+                        wait_s=max(0.0, min(WAIT_SLICE_S, state.deadline - time.monotonic())))
         self._admit_joiners()
         if not workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size):
             return Forming(restore=state.restore, recovering_since=state.recovering_since)
@@ -371,7 +369,7 @@ class Controller:
         """Ready spares join now, up to max_workers (their slots are asked for again by the failed workers)."""
         wanted = self.policies.scaling.spares_to_take(num_workers=self.group.size + self.group.num_joining,
                                                     num_spares_ready=self.group.num_spares_ready)
-        if wanted and (taken := self.group.promote_spares(wanted)):
+        if wanted and (taken := self.group.grow(wanted)):  # no more than the ready spares
             self.log.event("spares_taken", self.step, workers=taken, reason=reason)
 
     def _admit_joiners(self) -> None:

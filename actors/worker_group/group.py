@@ -151,9 +151,16 @@ class WorkerGroup:
         """What one worker needs and what the cluster has, for an error saying too few could be placed."""
         return f"(each needs {self.membership.slots.shape.bundle()}); the cluster has {ray.cluster_resources()}"
 
-    def add_joiners(self, count: int, *, timeout_s: float = 0.0) -> None:
-        """Start ``count`` new workers, waiting up to ``timeout_s`` for their slots; they come in once ready."""
-        self.membership.add_joiners(count, timeout_s=timeout_s)
+    def grow(self, members: int, *, spares: int = 0, wait_s: float = 0.0) -> int:
+        """``members`` more workers for the run: ready spares first, new workers on the slots ready now for the
+        rest (joiners: they come in once constructed, which this waits up to ``wait_s`` for); then ``spares`` new
+        spares on the slots still ready. Returns how many spares were taken."""
+        taken = len(self.membership.promote_spares(members)) if members > 0 else 0
+        self.membership.add_joiners(members - taken)
+        if wait_s > 0:
+            self.membership.wait_for_joiners(wait_s)
+        self.membership.add_spares(spares)
+        return taken
 
     @property
     def num_joining(self) -> int:
@@ -163,20 +170,9 @@ class WorkerGroup:
     def num_spares_ready(self) -> int:
         return len(self.membership.ready_spares())
 
-    def add_spares(self, count: int) -> None:
-        """Start ``count`` spares on slots ready now: they build their workload and wait, idle."""
-        self.membership.add_spares(count)
-
-    def promote_spares(self, count: int) -> int:
-        """Up to ``count`` constructed spares become joiners, ready to come in at once; returns how many."""
-        return len(self.membership.promote_spares(count))
-
     def take_start_failures(self) -> list[StartFailure]:
         """New workers that could not be constructed since the last call (each replaced on a new slot)."""
         return self.membership.take_start_failures()
-
-    def wait_for_joiners(self, timeout_s: float) -> None:
-        self.membership.wait_for_joiners(timeout_s)
 
     def admit_ready_joiners(self) -> dict[str, bool]:
         """Constructed joiners become members: name -> whether each started in a warm process."""

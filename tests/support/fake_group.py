@@ -35,7 +35,7 @@ class FakeGroup:
     def __init__(self, workers: int = 2, *, placeable: int | None = None, free_slots: int = 0, idle_spares: int = 0,
                  checkpoint_root: Path | None = None, config_hash: str = "", replicated: bool = True) -> None:
         """``placeable``: how many of the first workers start (default all); ``free_slots``: workers a later
-        ``add_joiners`` or ``add_spares`` can start; ``idle_spares``: warm spares started with the group;
+        ``grow`` can start; ``idle_spares``: warm spares started with the group;
         ``replicated``: members keep their state across a join (else step 0)."""
         self.members = [f"w{i}" for i in range(workers)]
         self.placeable = workers if placeable is None else placeable
@@ -196,35 +196,25 @@ class FakeGroup:
     def undrain(self, *, node_id: str) -> None:
         self.draining -= {name for name in self.members if self.nodes.get(name) == node_id}
 
-    def add_joiners(self, count: int, *, timeout_s: float = 0.0) -> None:
-        started = min(count, self.free_slots)
-        self.free_slots -= started
-        for _ in range(started):  # constructed at once
-            self.ready.append(f"w{self._spawned}")
-            self._spawned += 1
+    def grow(self, members: int, *, spares: int = 0, wait_s: float = 0.0) -> int:
+        taken, self.idle = self.idle[:max(members, 0)], self.idle[max(members, 0):]
+        self.ready += taken + self._start(members - len(taken))  # constructed at once
+        self.idle += self._start(spares)
+        return len(taken)
+
+    def _start(self, count: int) -> list[str]:
+        started = [f"w{self._spawned + i}" for i in range(min(max(count, 0), self.free_slots))]
+        self.free_slots -= len(started)
+        self._spawned += len(started)
+        return started
 
     @property
     def num_spares_ready(self) -> int:
         return len(self.idle)
 
-    def add_spares(self, count: int) -> None:
-        started = min(count, self.free_slots)
-        self.free_slots -= started
-        for _ in range(started):
-            self.idle.append(f"w{self._spawned}")
-            self._spawned += 1
-
-    def promote_spares(self, count: int) -> int:
-        promoted, self.idle = self.idle[:count], self.idle[count:]
-        self.ready += promoted
-        return len(promoted)
-
     def take_start_failures(self) -> list:
         taken, self.start_failures = self.start_failures, []
         return taken
-
-    def wait_for_joiners(self, timeout_s: float) -> None:
-        self.calls.append("wait_for_joiners")
 
     def admit_ready_joiners(self) -> dict[str, bool]:
         self._call("admit_ready_joiners")
