@@ -137,13 +137,11 @@ def test_a_worker_lost_between_outer_steps_costs_only_its_own_inner_steps(tmp_pa
     steps, every = 100, 10
     base = ["strategy.name=diloco", f"strategy.sync_every={every}", f"training.steps={steps}",
             "scaling.min_workers=2", "scaling.max_workers=3", "optim.lr=3e-3"]
-    calm = train(job(*base, name="diloco-calm"), run_dir=tmp_path / "calm")
     killed = train(job(*base, "faults=[{action: kill, rank: 1, step: 25}]", name="diloco-kill"),
                    run_dir=tmp_path / "kill")
-    for result in (calm, killed):
-        assert result.final_step == steps and result.metrics["accuracy"] > 0.85, result.metrics
-    synced = [row["step"] for row in calm.history if row["bytes_sent"]]
-    assert synced == list(range(every, steps + 1, every))  # one all-reduce per outer step, none between
+    assert killed.final_step == steps and killed.metrics["accuracy"] > 0.85, killed.metrics
+    synced = [row["step"] for row in killed.history if row["bytes_sent"]]
+    assert synced == list(range(every, steps + 1, every))  # one all-reduce per outer step, a loss between two too
     formed = [e for e in killed.events if e.type == "generation_formed"]
     assert len(formed) >= 2 and all(e.details["steps_lost"] == 0 for e in formed)
     assert all(isinstance(e.details["state_source"], int) for e in formed[1:])  # from a survivor, not a restart

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.processes.setup_hook import TRAINS_NOTHING
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name, worker_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
@@ -122,7 +123,7 @@ def test_failures_beyond_max_end_the_run_with_a_loadable_checkpoint(tmp_path):
 def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference, strategy):
     # 4 logical CPUs: the blocker leaves room for exactly 2 workers of 0.5 CPU until it ends. Steps of
     # 0.5 s leave the third worker ~15 s to start (3.5 s on an idle machine, 10+ s on a slow one).
-    blocker = ray.remote(num_cpus=3)(_Blocker).remote()
+    blocker = ray.remote(num_cpus=3)(_Blocker).options(runtime_env=TRAINS_NOTHING).remote()
     ray.get(blocker.ready.remote())
     actions = {}
 

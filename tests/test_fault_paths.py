@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from raylastic.actors.controller.controller import RunFailed
-from raylastic.actors.rendezvous.keys import RendezvousKeys
+from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process
 from raylastic.actors.status.run import Event, RunStatus
 from raylastic.actors.worker.actor import TrainWorkerActor, WorkerSpec
 from raylastic.actors.worker.training_loop import LOOP_EXIT_GRACE_S
@@ -167,7 +167,7 @@ def bare_workers(tmp_path, count: int, *overrides: str) -> BareWorkers:
                       checkpointer=Checkpointer(root=str(tmp_path / "ckpt"), every_steps=0, num_to_keep=1,
                                                 config_hash="h", global_batch_size=config.training.global_batch_size))
     actors = [TrainWorkerActor.options(num_cpus=0.5, max_concurrency=2).remote(spec) for _ in range(count)]
-    return BareWorkers(actors, RendezvousKeys.remote(), new_store_prefix())
+    return BareWorkers(actors, RendezvousKeys.options(**beside_this_process()).remote(), new_store_prefix())
 
 
 def test_a_receiver_whose_source_is_lost_mid_hand_over_rebuilds_its_state(tmp_path):

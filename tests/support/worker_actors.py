@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import ray
 
-from raylastic.actors.rendezvous.keys import RendezvousKeys, call_off_generation
+from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process, call_off_generation
 from raylastic.actors.worker.actor import JoinReport, TrainWorkerActor, WorkerSpec
 from raylastic.jobconfig import FaultConfig
 from raylastic.strategies.checkpoint import Checkpointer
@@ -77,6 +77,7 @@ def workers_of(tmp_path, steps: int, *overrides: str, collective_timeout_s: floa
     spec = WorkerSpec(workload=config.workload, training=config.training, optim=config.optim,
                       strategy=config.strategy, data=config.data, eval=config.eval, use_gpu=False, torch_threads=1,
                       checkpointer=checkpointer)
-    return Workers(spec, RendezvousKeys.remote(), new_store_prefix(), collective_timeout_s)
+    keys = RendezvousKeys.options(**beside_this_process()).remote()
+    return Workers(spec, keys, new_store_prefix(), collective_timeout_s)
 
 
