@@ -26,8 +26,11 @@ from dataclasses import dataclass
 
 from raylastic.actors.status.group import DONE_PHASES, GroupStatus, JobError, LostWorker, WorkersLost
 from raylastic.jobconfig import JobConfig, StrategyConfig
+from raylastic.jobconfig.parallel import ParallelConfig
 from raylastic.strategies.checkpoint_catalogue import Checkpoint
+from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.peer_restore import PeerRestorePlan
+from raylastic.strategies.shard_layout import effective_replicas
 
 # -- scaling --------------------------------------------------------------------------------------------------
 
@@ -112,6 +115,35 @@ def stragglers_to_drain(status: GroupStatus, *, min_workers: int, num_leaving: i
                       for event in news.status.events if event.type == "straggler")
     room = max(0, len(status.members) - num_leaving - min_workers)
     return [rank for _, rank in reported[:room]]
+
+
+# -- layouts --------------------------------------------------------------------------------------------------
+def choose_layout(num_workers: int, parallel: ParallelConfig, *, replicas: int,
+                  global_batch_size: int) -> ParallelLayout | None:
+    """The layout a generation of up to ``num_workers`` ranks trains in (the workers it leaves out wait as
+    spares), or None if none fits. It keeps the configured tp and pp with the largest data-parallel degree the
+    batch allows (every data-parallel rank takes a sample at least, and through a pipeline the same number in
+    each of its ``parallel.microbatches``); with fewer workers than tp x pp, the largest tp' x pp' dividing them
+    that fits, pipeline stages given up before tensor splits (a layer split over fewer ranks needs more memory
+    per rank, and so does a stage of more layers: keeping the product keeps the memory per rank). None also
+    when the batch does not divide into the configured pipeline's micro-batches at any data-parallel degree."""
+    if num_workers >= parallel.model_parallel:
+        degrees = [(parallel.tp, parallel.pp)]
+    else:
+        degrees = sorted(((tp, pp) for tp in _divisors(parallel.tp) for pp in _divisors(parallel.pp)
+                          if tp * pp <= num_workers and (pp == 1 or parallel.microbatch_rule(pp) is None)),
+                         key=lambda d: (d[0] * d[1], d[0]), reverse=True)
+    for tp, pp in degrees:
+        for dp in range(num_workers // (tp * pp), 0, -1):
+            per_rank = dp * (parallel.microbatches if pp > 1 else 1)
+            if global_batch_size % per_rank == 0 if pp > 1 else global_batch_size >= per_rank:
+                copies = effective_replicas(replicas, dp)
+                return ParallelLayout(pp=pp, dp_replicate=copies, dp_shard=dp // copies, tp=tp)
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # -- failures -------------------------------------------------------------------------------------------------

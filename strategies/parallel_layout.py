@@ -1,0 +1,85 @@
+"""A generation's layout over its ranks: pipeline stages, data-parallel copies and shards, tensor-parallel splits.
+
+Pure, no torch. The ranks of a generation form the 4-D grid ``(pp, dp_replicate, dp_shard, tp)``, the
+order torchtitan's meshes use: rank ``((p * R + r) * S + s) * T + t``. The tensor-parallel dimension is
+innermost, so a tp group is consecutive ranks (one node's, once ``rank_order`` has placed the members),
+and the pipeline dimension outermost, so a stage's ranks are together and neighbouring stages follow
+each other. ``dp_replicate`` x ``dp_shard`` is the data-parallel degree that ``strategy`` applies over,
+with ``strategy.replicas`` copies (HSDP) as ``dp_replicate``.
+
+Example::
+
+    layout = ParallelLayout(pp=2, dp_replicate=1, dp_shard=2, tp=2)
+    layout.world_size, layout.dp          # (8, 2)
+    layout.coordinates(5)                 # Coordinates(pp=1, dp_replicate=0, dp_shard=0, tp=1)
+    rank_order(["a", "b", "a", "b"], tp=2)  # [0, 2, 1, 3]: each tp pair on one node
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.pp, self.dp_replicate, self.dp_shard, self.tp) < 1:
+            raise ValueError(f"every degree of a layout must be positive, got {self}")
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: the copies of the model that take different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coordinates(self, rank: int) -> Coordinates:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in a layout of {self.world_size} ranks ({self})")
+        rest, tp = divmod(rank, self.tp)
+        rest, dp_shard = divmod(rest, self.dp_shard)
+        pp, dp_replicate = divmod(rest, self.dp_replicate)
+        return Coordinates(pp, dp_replicate, dp_shard, tp)
+
+    def rank(self, at: Coordinates) -> int:
+        return ((at.pp * self.dp_replicate + at.dp_replicate) * self.dp_shard + at.dp_shard) * self.tp + at.tp
+
+    def describe(self) -> str:
+        """``pp2 x dp2 x tp2`` (``dp2 (2 copies)`` with HSDP's copies); the degrees of 1 left out."""
+        copies = f" ({self.dp_replicate} copies)" if self.dp_replicate > 1 else ""
+        parts = [f"pp{self.pp}" if self.pp > 1 else "", f"dp{self.dp}{copies}" if self.dp > 1 else "",
+                 f"tp{self.tp}" if self.tp > 1 else ""]
+        return " x ".join(part for part in parts if part) or "dp1"
+
+
+def rank_order(node_ids: Sequence[str], tp: int) -> list[int]:
+    """The members (by their index in ``node_ids``, the node each runs on) in rank order, so that each tp group
+    (``tp`` consecutive ranks) shares a node wherever the nodes' counts allow: every node's whole tp groups
+    first, node after node in the order the nodes first appear, then the members left over."""
+    if tp < 1:
+        raise ValueError(f"tp must be positive, got {tp}")
+    by_node: dict[str, list[int]] = {}
+    for index, node in enumerate(node_ids):
+        by_node.setdefault(node, []).append(index)
+    whole, left_over = [], []
+    for members in by_node.values():
+        cut = len(members) - len(members) % tp
+        whole += members[:cut]
+        left_over += members[cut:]
+    return whole + left_over
