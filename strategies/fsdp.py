@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -33,11 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from raylastic.strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
 from raylastic.strategies.compression.accounting import NO_TRAFFIC, CommTraffic
+from raylastic.strategies.parallel_layout import ParallelLayout
+from raylastic.strategies.parallel_mesh import parallel_mesh
 from raylastic.strategies.shard_layout import ShardLayout, effective_replicas
 
 logger = logging.getLogger(__name__)
@@ -108,13 +109,9 @@ def generation_mesh(device: torch.device, replicas: int = 1) -> DeviceMesh:
         fully_shard(model, mesh=mesh)
         release_group_with(model, mesh)
     """
-    tag = uuid.uuid4().hex[:8]  # differs between ranks too, which nothing compares
     world_size = dist.get_world_size()
-    if replicas == 1:
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=(f"shard-{tag}",))
     assert world_size % replicas == 0, (world_size, replicas)
-    return init_device_mesh(device.type, (replicas, world_size // replicas),
-                            mesh_dim_names=(f"replicate-{tag}", f"shard-{tag}"))
+    return parallel_mesh(device, ParallelLayout(dp_replicate=replicas, dp_shard=world_size // replicas)).root
 
 
 def replicas_for_group(replicas: int) -> int:
