@@ -19,7 +19,7 @@ from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import assert_states_close, job, load_model, sigkill_ranks_once
 from tests.support.strategy_runs import train_job_alone
 
-STEPS = 150
+STEPS = 100
 KILL_AT = 40
 WORKLOAD = ("workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.01}")
 DEFAULT_TIMEOUTS = ("failure.collective_timeout_s=30",)  # tests.support.helpers.job shortens it; these are the defaults
