@@ -19,8 +19,7 @@ import ray
 import raylastic.cluster.job
 from benchmarks import _recovery_helpers as helpers
 from benchmarks.common import REPO_ROOT
-from raylastic.actors.controller.controller import RunFailed
-from raylastic.actors.status.run import Event, RunStatus
+from raylastic.actors.status.run import Event, RunFailed, RunStatus
 from raylastic.cluster.connect import job_runtime_env
 from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import NAMESPACE, controller_name, worker_name

@@ -56,10 +56,9 @@ from benchmarks import _recovery_changes as changes
 from benchmarks import _recovery_helpers as helpers
 from benchmarks._recovery_helpers import HIDDEN, summarize_failure
 from benchmarks.common import RESULTS, alternated, code_version, guarded, local_ray, numbers
-from raylastic.actors.controller.controller import RunFailed
 from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process
-from raylastic.actors.status.run import Event
+from raylastic.actors.status.run import Event, RunFailed
 from raylastic.jobconfig import load_job_config
 from raylastic.jobconfig.naming import worker_name
 

@@ -31,10 +31,10 @@ from fsspec.implementations.local import LocalFileSystem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raylastic.actors.async_ps.controller import AsyncControllerActor
-from raylastic.actors.controller.controller import ControllerActor, RunFailed
+from raylastic.actors.controller.controller import ControllerActor
 from raylastic.actors.controller.run_checkpoints import default_checkpoint_root
 from raylastic.actors.processes.setup_hook import TRAINS_NOTHING
-from raylastic.actors.status.run import RunResult, RunStatus
+from raylastic.actors.status.run import RunFailed, RunResult, RunStatus
 from raylastic.actors.worker_group.placement import ReservedBundles, remove_run_slots
 from raylastic.cluster.connect import ray_session
 from raylastic.cluster.run_dir import (

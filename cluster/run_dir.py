@@ -30,8 +30,7 @@ from typing import Any
 import fsspec
 import torch
 
-from raylastic.actors.controller.controller import RunFailed
-from raylastic.actors.status.run import Event, RunResult, RunStatus
+from raylastic.actors.status.run import Event, RunFailed, RunResult, RunStatus
 from raylastic.cluster.tracking import RunEnd
 from raylastic.jobconfig import JobConfig
 

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     job = load_job_or_report(args, errors)
     if job is None:
         return 2
-    from raylastic.actors.controller.controller import RunFailed
+    from raylastic.actors.status.run import RunFailed
     from raylastic.cluster.job import train
     from raylastic.cluster.progress import ProgressDisplay
 

@@ -14,7 +14,7 @@ import ray
 import torch
 
 from raylastic.actors.async_ps.checkpoints import complete_checkpoints
-from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.status.run import RunFailed
 from raylastic.cluster.job import train
 from raylastic.workloads.digits import Digits
 from tests.support.helpers import StoppedProcess, assert_states_close, job, load_model

@@ -149,7 +149,7 @@ def test_tokenize_never_replaces_a_directory_holding_other_files(tmp_path, text_
 
 @pytest.mark.usefixtures("ray_local")
 def test_a_run_on_an_empty_training_set_fails_at_the_start_naming_the_sizes(tmp_path):
-    from raylastic.actors.controller.controller import RunFailed
+    from raylastic.actors.status.run import RunFailed
     from raylastic.cluster.job import train
     from tests.support.helpers import job
 

@@ -252,7 +252,7 @@ def make_read_only(root: Path) -> None:
 @pytest.mark.parametrize(("block", "cause"), [(block_with_a_file, "NotADirectoryError"),
                                               (make_read_only, "PermissionError")])
 def test_a_checkpoint_path_that_stops_taking_files_mid_run_ends_it_naming_path_and_cause(tmp_path, block, cause):
-    from raylastic.actors.controller.controller import RunFailed
+    from raylastic.actors.status.run import RunFailed
     from raylastic.cluster.job import train
     from tests.support.helpers import job
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from raylastic.actors.controller.controller import Controller, RunFailed
+from raylastic.actors.controller.controller import Controller
 from raylastic.actors.controller.policies import FailurePolicy, RunPolicies
 from raylastic.actors.controller.states import (
     Failed,
@@ -27,6 +27,7 @@ from raylastic.actors.controller.states import (
     WaitingForWorkers,
 )
 from raylastic.actors.status.group import LostWorker
+from raylastic.actors.status.run import RunFailed
 from raylastic.actors.worker_group.group import MemberRaised
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.peer_restore import ShardCopy

@@ -16,9 +16,9 @@ import time
 import pytest
 import ray
 
-from raylastic.actors.controller.controller import RunFailed
 from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.actors.processes.setup_hook import TRAINS_NOTHING
+from raylastic.actors.status.run import RunFailed
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name, worker_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint

@@ -25,8 +25,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from raylastic.actors.controller.controller import RunFailed
-from raylastic.actors.status.run import RunStatus
+from raylastic.actors.status.run import RunFailed, RunStatus
 from raylastic.cluster.import_path import after_standard_library
 from raylastic.cluster.job import RunStopped, train
 from raylastic.cluster.termination import StopRequest, sigterm_asks

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from raylastic.actors.controller.controller import RunFailed
 from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process
-from raylastic.actors.status.run import Event, RunStatus
+from raylastic.actors.status.run import Event, RunFailed, RunStatus
 from raylastic.actors.worker.actor import TrainWorkerActor, WorkerSpec
 from raylastic.actors.worker.training_loop import LOOP_EXIT_GRACE_S
 from raylastic.cluster.job import train

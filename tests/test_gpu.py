@@ -19,7 +19,7 @@ import pytest
 import ray
 import torch
 
-from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.status.run import RunFailed
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import NAMESPACE
 from raylastic.strategies.checkpoint import load_into

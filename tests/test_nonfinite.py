@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from raylastic.actors.controller.controller import RunFailed
 from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.status.run import RunFailed
 from raylastic.actors.worker.step import NonFiniteStep, StepRunner
 from raylastic.cluster.job import train
 from raylastic.jobconfig import OptimConfig

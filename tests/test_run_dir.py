@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from raylastic.actors.controller.controller import RunFailed
-from raylastic.actors.status.run import RunStatus
+from raylastic.actors.status.run import RunFailed, RunStatus
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name, worker_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint

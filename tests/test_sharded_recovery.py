@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.status.run import RunFailed
 from raylastic.cluster.job import train
 from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import assert_states_close, job, load_model, sigkill_ranks_once

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from raylastic.actors.controller.controller import RunFailed
+from raylastic.actors.status.run import RunFailed
 from raylastic.actors.worker.optimizer_recipe import learning_rate
 from raylastic.cluster.cli import main
 from raylastic.cluster.job import train

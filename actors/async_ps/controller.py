@@ -36,7 +36,7 @@ from raylastic.actors.async_ps.tickets import TicketBook
 from raylastic.actors.async_ps.worker_pool import WorkerPool, reserved_bundle
 from raylastic.actors.controller.policies import FailurePolicy, Raise
 from raylastic.actors.controller.run_log import RunLog
-from raylastic.actors.controller.states import TERMINAL, Failed, Finished, Finishing, Placing, Stopped
+from raylastic.actors.controller.states import TERMINAL, Failed, Finished, Finishing, Placing, Stopped, ending
 from raylastic.actors.status.run import RunFailed, RunResult, RunStatus
 from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.optimizer_recipe import learning_rate
@@ -92,11 +92,7 @@ class AsyncController:
             if self.group is not None:
                 self.group.kill_all()
             self.log.close()
-        if isinstance(self.state, Finished):
-            return self.state.result
-        if isinstance(self.state, Stopped):
-            raise RunFailed(f"run stopped by the user at step {self.book.steps_applied}{self._note()}")
-        raise RunFailed(self.state.reason, model_state=self.state.model_state)
+        return ending(self.state, step=self.book.steps_applied, note=self._note)
 
     def advance(self) -> AsyncRunState:
         """One transition: act in the current state and move to the next. A stop request ends a training run

@@ -57,11 +57,12 @@ from raylastic.actors.controller.states import (
     RunState,
     Stopped,
     WaitingForWorkers,
+    ending,
     stops_at_once,
 )
 from raylastic.actors.faults.plan import FaultPlan
 from raylastic.actors.status.group import Failure, GroupStatus, JobError, LostWorker, WorkersLost
-from raylastic.actors.status.run import RunFailed, RunResult, RunStatus
+from raylastic.actors.status.run import RunResult, RunStatus
 from raylastic.actors.worker_group.group import MemberRaised, MembersFailed, WorkerGroup
 from raylastic.actors.worker_group.membership import WorkersCannotStart
 from raylastic.actors.worker_group.placement import ReservedBundles
@@ -119,11 +120,7 @@ class Controller:
         finally:
             self.group.shutdown()
             self.log.close()
-        if isinstance(self.state, Finished):
-            return self.state.result
-        if isinstance(self.state, Stopped):
-            raise RunFailed(f"run stopped by the user at step {self.step}{self.checkpoints.note()}")
-        raise RunFailed(self.state.reason, model_state=self.state.model_state)
+        return ending(self.state, step=self.step, note=self.checkpoints.note)
 
     def advance(self) -> RunState:
         """One transition: act in the current state and move to the next. A stop request ends any stoppable

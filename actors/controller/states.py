@@ -16,10 +16,12 @@ Each state carries what the next one needs, so the run's situation is in one val
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from raylastic.actors.status.group import LostWorker
+from raylastic.actors.status.run import RunFailed
 from raylastic.strategies.checkpoint_catalogue import Checkpoint
 
 
@@ -125,6 +127,16 @@ STOPPABLE = (Forming, Running, Resizing, WaitingForWorkers)
 """States a stop request ends at once - a running generation only before it starts; the others complete first
 (a recovery drops the failed workers, a finish writes its checkpoint, a generation that trains stops at its next
 step boundary)."""
+
+
+def ending(state: Finished | Failed | Stopped, *, step: int, note: Callable[[], str]) -> Any:
+    """What a run that ended in ``state`` gives its driver: the RunResult, or RunFailed saying why it stopped or
+    failed (``note()``: where the last checkpoint is)."""
+    if isinstance(state, Finished):
+        return state.result
+    if isinstance(state, Stopped):
+        raise RunFailed(f"run stopped by the user at step {step}{note()}")
+    raise RunFailed(state.reason, model_state=state.model_state)
 
 
 def stops_at_once(state: RunState) -> bool:
