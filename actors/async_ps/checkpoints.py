@@ -69,6 +69,14 @@ def newest_complete(root: str, excluding: frozenset[Cut] = frozenset()) -> Cut |
     return found[-1] if found else None
 
 
+def last_checkpoint_note(root: str) -> str:
+    """What an error adds about the checkpoints under ``root``: the newest whole one, or that there is none."""
+    found = newest_complete(root)
+    if found is None:
+        return "; no checkpoint was written yet"
+    return f"; last checkpoint: {found.directory} (update {found.version})"
+
+
 def prune(root: str, keep: int) -> None:
     """Keep the ``keep`` newest whole cuts; clear older directories, whole or not (no server writes there again)."""
     found = complete_checkpoints(root)

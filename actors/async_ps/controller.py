@@ -25,7 +25,7 @@ from typing import Any
 import ray
 import torch
 
-from raylastic.actors.async_ps.checkpoints import Cut, newest_complete, prune
+from raylastic.actors.async_ps.checkpoints import Cut, last_checkpoint_note, newest_complete, prune
 from raylastic.actors.async_ps.heartbeats import Heartbeats
 from raylastic.actors.async_ps.leases import Lease, StepReport
 from raylastic.actors.async_ps.server import UnreadableCheckpoint
@@ -392,10 +392,7 @@ class AsyncController:
             time.sleep(SUPERVISE_S)
 
     def _note(self) -> str:
-        found = newest_complete(self.checkpoint_root)
-        if found is None:
-            return "; no checkpoint was written yet"
-        return f"; last checkpoint: {found.directory} (update {found.version})"
+        return last_checkpoint_note(self.checkpoint_root)
 
 
 AsyncControllerActor = ray.remote(num_cpus=0, max_concurrency=32)(AsyncController)
