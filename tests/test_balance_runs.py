@@ -1,6 +1,6 @@
 """Batch shares by speed in real runs on a local Ray (gloo): a throttled rank gets a smaller share, gets it
-back when the throttle is lifted, and a straggler is drained; every run ends with the parameters of an
-equal-split, unthrottled run of the same job, every sample applied exactly once."""
+back when the throttle is lifted, and a straggler is drained; every run applies each step's global batch once
+and ends with the parameters that training on them on one rank gives."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import statistics
 
 import pytest
 
+from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.cluster.job import train
 from raylastic.workloads.digits import Digits
-from tests.support.helpers import applied_samples, assert_states_close, job, load_model
+from tests.support.distributed_harness import run_distributed
+from tests.support.helpers import applied_samples, assert_states_close, job, load_model, step_indices
+from tests.support.strategy_runs import train_job_alone
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -29,18 +32,19 @@ NUM_TRAIN_SAMPLES = len(Digits().train_dataset())
 
 
 @pytest.fixture(scope="module")
-def equal_split(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("equal")
-    result = train(job(*BASE, "scaling.balance=off", name="equal"), run_dir=run_dir)
-    assert all(max(row["shares"]) - min(row["shares"]) <= 1 for row in result.history)
-    return result, load_model(run_dir)
+def one_rank() -> tuple[dict[int, list[int]], dict]:
+    """The job undisturbed, computed: each step's samples (its global batch, in the sample order) and the
+    parameters that training on them on one rank ends with."""
+    config = job(*BASE, name="one-rank")
+    order = GlobalSampleOrder(NUM_TRAIN_SAMPLES, config.training.global_batch_size, config.training.seed)
+    samples = {step: step_indices(order, step - 1).tolist() for step in range(1, STEPS + 1)}
+    return samples, run_distributed(train_job_alone, 1, config, timeout_s=300)[0]
 
 
-def assert_same_training(result, state, equal_split):
-    reference, reference_state = equal_split
+def assert_same_training(result, state, one_rank):
+    samples, reference_state = one_rank
     assert result.final_step == STEPS
-    assert applied_samples(result.ledger, STEPS, NUM_TRAIN_SAMPLES) == \
-        applied_samples(reference.ledger, STEPS, NUM_TRAIN_SAMPLES)
+    assert applied_samples(result.ledger, STEPS, NUM_TRAIN_SAMPLES) == samples
     assert_states_close(state, reference_state, atol=1e-5)  # float noise of other summation orders: ~1e-6
 
 
@@ -52,11 +56,11 @@ def share_ratio(rows, rank: int) -> float:
     return statistics.median(row["shares"][rank] / others(row["shares"]) for row in rows)
 
 
-def test_a_throttled_rank_gets_a_smaller_share_and_gets_it_back(tmp_path, equal_split):
+def test_a_throttled_rank_gets_a_smaller_share_and_gets_it_back(tmp_path, one_rank):
     run_dir = tmp_path / "throttled"
     throttle = f"faults=[{{action: throttle, rank: 1, step: 1, factor: 2.0, until_step: {THROTTLED_UNTIL}}}]"
     result = train(job(*BASE, throttle, name="throttled"), run_dir=run_dir)
-    assert_same_training(result, load_model(run_dir), equal_split)
+    assert_same_training(result, load_model(run_dir), one_rank)
     rows = {row["step"]: row for row in result.history}
     throttled = [rows[s] for s in range(MEASURED_FROM, THROTTLED_UNTIL + 1)]
     during = share_ratio(throttled, 1)
@@ -71,11 +75,11 @@ def test_a_throttled_rank_gets_a_smaller_share_and_gets_it_back(tmp_path, equal_
     assert share_ratio(lifted, 1) > during + 0.15
 
 
-def test_a_straggler_is_reported_and_drained_while_min_workers_allows(tmp_path, equal_split):
+def test_a_straggler_is_reported_and_drained_while_min_workers_allows(tmp_path, one_rank):
     run_dir = tmp_path / "straggler"
     throttle = "faults=[{action: throttle, rank: 2, step: 1, factor: 10.0}]"
     result = train(job(*BASE, "scaling.max_workers=3", throttle, name="straggler"), run_dir=run_dir)
-    assert_same_training(result, load_model(run_dir), equal_split)
+    assert_same_training(result, load_model(run_dir), one_rank)
     straggler = next(e for e in result.events if e.type == "straggler")
     assert straggler.details["rank"] == 2 and straggler.details["node_id"]
     assert straggler.details["speed_vs_median"] < 1 / 4

@@ -25,8 +25,10 @@ from raylastic.strategies.checkpoint import Checkpointer
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.workloads.digits import Digits
+from tests.support.distributed_harness import run_distributed
 from tests.support.fault_workloads import marker_path
 from tests.support.helpers import assert_states_close, job, load_model
+from tests.support.strategy_runs import train_job_alone
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -43,10 +45,9 @@ def events_of(result_or_run_dir, kind: str) -> list[Event]:
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("undisturbed")
-    train(job(*BASE, name="undisturbed"), run_dir=run_dir)
-    return load_model(run_dir)
+def undisturbed():
+    """The parameters of the undisturbed job, trained on one rank (world-size independence makes them a run's)."""
+    return run_distributed(train_job_alone, 1, job(*BASE, name="undisturbed"))[0]
 
 
 def test_a_bug_in_the_workload_fails_the_run_at_once_with_its_traceback(tmp_path):
