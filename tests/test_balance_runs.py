@@ -8,12 +8,10 @@ import statistics
 
 import pytest
 
-from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.cluster.job import train
 from raylastic.workloads.digits import Digits
-from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import applied_samples, assert_states_close, job, load_model, step_indices
-from tests.support.strategy_runs import train_job_alone
+from tests.support.helpers import applied_samples, assert_states_close, job, load_model
+from tests.support.strategy_runs import undisturbed_run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -35,10 +33,7 @@ NUM_TRAIN_SAMPLES = len(Digits().train_dataset())
 def one_rank() -> tuple[dict[int, list[int]], dict]:
     """The job undisturbed, computed: each step's samples (its global batch, in the sample order) and the
     parameters that training on them on one rank ends with."""
-    config = job(*BASE, name="one-rank")
-    order = GlobalSampleOrder(NUM_TRAIN_SAMPLES, config.training.global_batch_size, config.training.seed)
-    samples = {step: step_indices(order, step - 1).tolist() for step in range(1, STEPS + 1)}
-    return samples, run_distributed(train_job_alone, 1, config, timeout_s=300)[0]
+    return undisturbed_run(job(*BASE, name="one-rank"), NUM_TRAIN_SAMPLES)
 
 
 def assert_same_training(result, state, one_rank):

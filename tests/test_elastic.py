@@ -16,7 +16,6 @@ import time
 import pytest
 import ray
 
-from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.actors.processes.setup_hook import TRAINS_NOTHING
 from raylastic.actors.status.run import RunFailed
 from raylastic.cluster.job import train
@@ -25,17 +24,15 @@ from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.strategies.export import load_full_model_state
 from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
-from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import (
     applied_samples,
     assert_states_close,
     job,
     load_model,
-    step_indices,
     wait_until_gone,
     with_ctrl_c_enabled,
 )
-from tests.support.strategy_runs import train_job_alone
+from tests.support.strategy_runs import undisturbed_run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -51,10 +48,7 @@ LONG_COLLECTIVE_TIMEOUT_S = 120
 def reference() -> tuple[dict[int, list[int]], dict]:
     """The undisturbed run, computed: each step's samples (its global batch, in the run's sample order) and the
     parameters that training on them on one rank ends with."""
-    config = job(*BASE, name="reference")
-    order = GlobalSampleOrder(NUM_TRAIN_SAMPLES, config.training.global_batch_size, config.training.seed)
-    samples = {step: step_indices(order, step - 1).tolist() for step in range(1, STEPS + 1)}
-    return samples, run_distributed(train_job_alone, 1, config)[0]
+    return undisturbed_run(job(*BASE, name="reference"), NUM_TRAIN_SAMPLES)
 
 
 def run_disturbed(tmp_path, name, *overrides, on_progress=None):

@@ -19,14 +19,12 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import NAMESPACE, controller_name
 from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
-from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import applied_samples, assert_states_close, job, load_model, step_indices
-from tests.support.strategy_runs import train_job_alone
+from tests.support.helpers import applied_samples, assert_states_close, job, load_model
+from tests.support.strategy_runs import undisturbed_run
 
 STEPS = 60  # ~4 s: progress (every second) sees step 10-15 at world size 4 well before the end
 BASE = (f"training.steps={STEPS}", "training.record_samples=true", "scaling.min_workers=2",
@@ -65,10 +63,7 @@ def second_node(head):
 def reference() -> tuple[dict[int, list[int]], dict]:
     """The job undisturbed, computed: each step's samples (its global batch, in the sample order) and the
     parameters that training on them on one rank ends with (its pause changes no math)."""
-    config = job(*BASE, name="nodes-reference")
-    order = GlobalSampleOrder(NUM_TRAIN_SAMPLES, config.training.global_batch_size, config.training.seed)
-    samples = {step: step_indices(order, step - 1).tolist() for step in range(1, STEPS + 1)}
-    return samples, run_distributed(train_job_alone, 1, config, {"pause_s": 0.0})[0]
+    return undisturbed_run(job(*BASE, name="nodes-reference"), NUM_TRAIN_SAMPLES, {"pause_s": 0.0})
 
 
 def assert_same_as_reference(result, run_dir, reference):

@@ -18,6 +18,7 @@ from raylastic.strategies.build import build_strategy
 from raylastic.strategies.checkpoint import Checkpointer, load_into
 from raylastic.strategies.diloco import WIRE_DTYPES, OuterState
 from raylastic.workloads import load_workload
+from tests.support.distributed_harness import run_distributed
 
 WORKLOAD = ("chargpt", {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "corpus_chars": 60_000})
 GLOBAL_BATCH = 12
@@ -135,3 +136,14 @@ def train_job_alone(job, workload_options: dict | None = None) -> dict[str, torc
     for step in range(job.training.steps):
         runner.run(state, step)
     return {name: tensor.detach().clone() for name, tensor in state.model.state_dict().items()}
+
+
+def undisturbed_run(job, num_samples: int,
+                    workload_options: dict | None = None) -> tuple[dict[int, list[int]], dict[str, torch.Tensor]]:
+    """``job`` undisturbed, computed: each step's samples (its global batch, in the sample order of a dataset of
+    ``num_samples``), by step from 1, and the parameters that training on them on one rank ends with
+    (``train_job_alone``, in a process of its own; ``workload_options`` as there)."""
+    order = GlobalSampleOrder(num_samples, job.training.global_batch_size, job.training.seed)
+    samples = {step: order.rank_indices(step - 1, rank=0, world_size=1).tolist()
+               for step in range(1, job.training.steps + 1)}
+    return samples, run_distributed(train_job_alone, 1, job, workload_options, timeout_s=300)[0]
