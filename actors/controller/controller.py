@@ -366,7 +366,7 @@ class Controller:
         """Ready spares join now, up to max_workers (their slots are asked for again by the failed workers)."""
         wanted = self.policies.scaling.spares_to_take(num_workers=self.group.size + self.group.num_joining,
                                                     num_spares_ready=self.group.num_spares_ready)
-        if wanted and (taken := self.group.grow(wanted)):  # no more than the ready spares
+        if wanted and (taken := self.group.grow(wanted)):  # the ready spares (a new worker for one that died since)
             self.log.event("spares_taken", self.step, workers=taken, reason=reason)
 
     def _admit_joiners(self) -> None:

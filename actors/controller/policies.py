@@ -135,8 +135,9 @@ def choose_layout(num_workers: int, parallel: ParallelConfig, *, replicas: int,
                          key=lambda d: (d[0] * d[1], d[0]), reverse=True)
     for tp, pp in degrees:
         for dp in range(num_workers // (tp * pp), 0, -1):
-            per_rank = dp * (parallel.microbatches if pp > 1 else 1)
-            if global_batch_size % per_rank == 0 if pp > 1 else global_batch_size >= per_rank:
+            if pp > 1 and global_batch_size % (dp * parallel.microbatches):
+                continue  # through a pipeline, every micro-batch of every data-parallel rank is the same size
+            if global_batch_size >= dp:
                 copies = effective_replicas(replicas, dp)
                 return ParallelLayout(pp=pp, dp_replicate=copies, dp_shard=dp // copies, tp=tp)
     return None
