@@ -51,7 +51,7 @@ from raylastic.cluster.termination import INTERRUPTED, StopRequest, sigterm_asks
 from raylastic.cluster.tracking import MlflowLog, RunEnd
 from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import controller_name
-from raylastic.workloads import resolve_workload_class
+from raylastic.workloads import check_workload
 
 ProgressCallback = Callable[[RunStatus], None]
 PROGRESS_WAIT_S = 1.0
@@ -82,7 +82,7 @@ def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | N
     step boundary as Ctrl-C does (RunStopped; result.json says "stopped"), and the handler from before comes back
     after it. Only from the main thread; ``raylastic train`` sets it, a notebook or a Tune trial need not.
     """
-    resolve_workload_class(job.workload.name)  # a bad import path fails here, before any actor starts
+    check_workload(job.workload.name, job.parallel.tp)  # a bad import path fails here, before any actor starts
     run_dir = Path(run_dir or Path("runs") / job.name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_root = job.checkpoint.path or default_checkpoint_root(run_dir)

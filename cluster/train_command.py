@@ -26,11 +26,11 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def load_job_or_report(args: argparse.Namespace, console: Console):
     """The validated JobConfig, or None after printing the error (no traceback)."""
-    from raylastic.workloads import resolve_workload_class
+    from raylastic.workloads import check_workload
 
     try:
         job = job_from_arguments(args, *(["training.profile_steps=5"] if args.profile else []))
-        resolve_workload_class(job.workload.name)
+        check_workload(job.workload.name, job.parallel.tp)
         return job
     except ValueError as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)

@@ -17,6 +17,7 @@ from raylastic.jobconfig.job import JobConfig
 from raylastic.jobconfig.link import LinkConfig
 from raylastic.jobconfig.loading import job_config_from_dict, load_job_config
 from raylastic.jobconfig.outputs import CheckpointConfig, TrackingConfig
+from raylastic.jobconfig.parallel import ParallelConfig
 from raylastic.jobconfig.scaling import FAULT_ACTIONS, FailureConfig, FaultConfig, ScalingConfig
 from raylastic.jobconfig.strategy import COMPRESSIONS, STRATEGIES, StrategyConfig
 from raylastic.jobconfig.training import (
@@ -32,5 +33,5 @@ from raylastic.jobconfig.training import (
 
 __all__ = ["COMPRESSIONS", "FAULT_ACTIONS", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "STRATEGIES", "CheckpointConfig",
            "DataConfig", "EvalConfig", "FailureConfig", "FaultConfig", "JobConfig", "LinkConfig", "OptimConfig",
-           "ScalingConfig", "StrategyConfig", "TrackingConfig", "TrainingConfig", "WorkloadConfig",
+           "ParallelConfig", "ScalingConfig", "StrategyConfig", "TrackingConfig", "TrainingConfig", "WorkloadConfig",
            "job_config_from_dict", "load_job_config"]

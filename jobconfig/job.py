@@ -11,9 +11,13 @@ from raylastic.jobconfig.checks import is_number, require
 from raylastic.jobconfig.link import LinkConfig
 from raylastic.jobconfig.naming import RUN_NAME_CHARACTERS, is_run_name
 from raylastic.jobconfig.outputs import CheckpointConfig, TrackingConfig
+from raylastic.jobconfig.parallel import ParallelConfig
 from raylastic.jobconfig.scaling import FailureConfig, FaultConfig, ScalingConfig
 from raylastic.jobconfig.strategy import StrategyConfig
 from raylastic.jobconfig.training import DataConfig, EvalConfig, OptimConfig, TrainingConfig, WorkloadConfig
+
+MODEL_PARALLEL_STRATEGIES = ("ddp", "zero2", "zero3")
+"""The strategies that apply over the data-parallel ranks of a tensor-parallel run (all through FSDP2)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +31,8 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Model parallelism (tensor parallel); ``strategy`` applies over the data-parallel ranks left."""
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -47,7 +53,9 @@ class JobConfig:
             raise ValueError("strategy.offload=true needs scaling.use_gpu=true: FSDP2's CPU offload moves parameters "
                              "between host and GPU memory; CPU workers hold them in host memory already")
         batch = self.training.global_batch_size
-        if batch < self.scaling.max_workers:
+        if self.parallel.model_parallel > 1:
+            self._check_model_parallel()
+        elif batch < self.scaling.max_workers:
             raise ValueError(f"training.global_batch_size ({batch}) cannot be split across "
                              f"scaling.max_workers ({self.scaling.max_workers}): every worker needs at "
                              "least one sample per step")
@@ -69,6 +77,39 @@ class JobConfig:
                         f"below scaling.max_workers ({self.scaling.max_workers})", fault.rank)
             require(fault.step <= self.training.steps, f"faults[{index}].step",
                     f"at most training.steps ({self.training.steps})", fault.step)
+
+    def _check_model_parallel(self) -> None:
+        """What tensor parallelism composes with (each refusal names the field and why)."""
+        parallel, strategy, scaling = self.parallel, self.strategy, self.scaling
+        require(parallel.pp == 1, "parallel.pp", "1: pipeline parallelism is not available yet", parallel.pp)
+        require(strategy.name in MODEL_PARALLEL_STRATEGIES, "strategy.name",
+                f"{', '.join(MODEL_PARALLEL_STRATEGIES)} with parallel.tp > 1 (diloco and async_ps step each "
+                "worker's whole model; zero1 wraps the model in torch DDP, which takes no tensor-parallel "
+                "parameters)", strategy.name)
+        for name, value in (("compression", strategy.compression != "none"), ("hierarchical", strategy.hierarchical),
+                            ("comm_timing", strategy.comm_timing)):
+            require(not value, f"strategy.{name}", "left at its default with parallel.tp > 1 (it is a hook of "
+                    "torch DDP; under tensor parallelism FSDP2 reduces the gradients)", getattr(strategy, name))
+        require(not self.training.compile, "training.compile", "false with parallel.tp > 1 (not supported yet)",
+                self.training.compile)
+        require(self.training.precision != "fp16", "training.precision", "fp32 or bf16 with parallel.tp > 1 (fp16's "
+                "loss scaler checks whole gradients)", self.training.precision)
+        unit = parallel.model_parallel
+        require(scaling.max_workers % unit == 0, "scaling.max_workers",
+                f"a multiple of parallel.tp ({unit}): the ranks of a layer split are workers", scaling.max_workers)
+        require(scaling.min_workers % unit == 0 or unit % scaling.min_workers == 0, "scaling.min_workers",
+                f"a multiple or a divisor of parallel.tp ({unit}): with fewer workers than parallel.tp the layers "
+                "split over a divisor of it", scaling.min_workers)
+        batch, data_parallel = self.training.global_batch_size, scaling.max_workers // unit
+        if batch < data_parallel:
+            raise ValueError(f"training.global_batch_size ({batch}) cannot be split across the {data_parallel} "
+                             f"data-parallel ranks of scaling.max_workers ({scaling.max_workers}) / parallel.tp "
+                             f"({unit}): every data-parallel rank needs at least one sample per step")
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every worker holds the whole model and optimizer state (a survivor can hand it over)."""
+        return self.strategy.replicated and self.parallel.model_parallel == 1
 
     def _check_async_ps(self) -> None:
         """What asynchronous training does not do (each names the field to change)."""

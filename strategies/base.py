@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from raylastic.strategies.checkpoint import load_into
 from raylastic.strategies.compression.accounting import CommTraffic
+from raylastic.strategies.parallel_mesh import ParallelMesh
 from raylastic.strategies.shard_layout import ShardLayout
 
 ModelFactory = Callable[[], torch.nn.Module]
@@ -56,6 +57,9 @@ class GroupContext:
     """The Ray node id of every rank, indexed by rank."""
     completed_steps: int
     """Optimizer steps the run has committed (e.g. whether 1-bit compression is past its warm-up)."""
+    mesh: ParallelMesh | None = None
+    """The generation's model-parallel mesh (parallel.tp > 1), whose ``dp`` view a strategy shards over; None: the
+    strategy spans the whole group."""
 
 
 @dataclass

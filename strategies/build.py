@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raylastic.jobconfig import StrategyConfig
+from raylastic.jobconfig import ParallelConfig, StrategyConfig
 from raylastic.strategies.base import Strategy
 from raylastic.strategies.compression import CompressionOptions
 from raylastic.strategies.ddp import DDPStrategy
@@ -11,8 +11,13 @@ from raylastic.strategies.fsdp import FSDPStrategy
 from raylastic.strategies.zero1 import Zero1Strategy
 
 
-def build_strategy(config: StrategyConfig) -> Strategy:
-    """The strategy for ``config.name``; it sees only its own config."""
+def build_strategy(config: StrategyConfig, parallel: ParallelConfig | None = None) -> Strategy:
+    """The strategy for ``config.name``; it sees only its own config. Under model parallelism (``parallel.tp`` >
+    1) every strategy is FSDP2 over the generation's data-parallel mesh: ddp's layout has a copy on every
+    data-parallel rank and one shard (torch DDP takes no tensor-parallel parameters; torchtitan does the same)."""
+    if parallel is not None and parallel.model_parallel > 1:
+        return FSDPStrategy(name=config.name, reshard_after_forward=config.name == "zero3", offload=config.offload,
+                            replicas=config.replicas)
     if config.name == "ddp":
         options = CompressionOptions(powersgd_rank=config.powersgd_rank, powersgd_start_iter=config.powersgd_start_iter,
                                      topk_fraction=config.topk_fraction, onebit_warmup_steps=config.onebit_warmup_steps)

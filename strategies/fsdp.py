@@ -59,15 +59,21 @@ class FSDPStrategy:
               previous: TrainState | None, context: GroupContext | None = None) -> TrainState:
         """A fresh model sharded over the current group: sharded state cannot outlive its group."""
         model = build_model()
-        layout = ShardLayout(world_size=dist.get_world_size(), replicas=replicas_for_group(self.replicas),
-                             rank=dist.get_rank())
-        mesh = generation_mesh(device, layout.replicas)
+        parallel = context.mesh if context is not None else None
+        if parallel is None:
+            layout = ShardLayout(world_size=dist.get_world_size(), replicas=replicas_for_group(self.replicas),
+                                 rank=dist.get_rank())
+            mesh = root = generation_mesh(device, layout.replicas)
+        else:  # the data-parallel view of the generation's mesh: FSDP2 joins it with the model's tp mesh
+            grid = parallel.layout
+            layout = ShardLayout(world_size=grid.dp, replicas=grid.dp_replicate, rank=grid.data_rank(dist.get_rank()))
+            mesh, root = parallel.dp, parallel.root
         options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                                        offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
         for child in _units(model):
             fully_shard(child, **options)
         fully_shard(model, **options)
-        release_group_with(model, mesh)
+        release_group_with(model, root)
         optimizer = build_optimizer(model)
         require_elementwise(optimizer, self.name)
         return TrainState(model=model, wrapped=model, optimizer=optimizer, layout=layout)
@@ -139,11 +145,13 @@ def release_group_with(owner: object, mesh: DeviceMesh) -> None:
 
 
 def _units(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """The repeated blocks (entries of a ModuleList: a GPT's layers) are units of their own; the
-    rest (embeddings, tied heads, norms) is sharded with the root, as in torchtitan."""
+    """The repeated blocks (entries of a ModuleList, or of a ModuleDict keyed "0", "1", ...: a GPT's layers) are
+    units of their own; the rest (embeddings, tied heads, norms) is sharded with the root, as in torchtitan."""
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList):
             yield from module
+        elif isinstance(module, torch.nn.ModuleDict) and all(key.isdigit() for key in module):
+            yield from module.values()
 
 
 @contextlib.contextmanager

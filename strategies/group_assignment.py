@@ -7,6 +7,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from raylastic.strategies.parallel_layout import ParallelLayout
+
 
 @dataclass(frozen=True, kw_only=True)
 class GroupAssignment:
@@ -22,6 +24,8 @@ class GroupAssignment:
     timeout_s: float
     run_step: int = 0
     """Steps the run had committed when this generation was formed (the same on every rank)."""
+    layout: ParallelLayout | None = None
+    """The generation's model-parallel layout (parallel.tp > 1); None: every rank a data-parallel one."""
 
 
 def generation_prefix(store_prefix: str, generation: int) -> str:

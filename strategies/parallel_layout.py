@@ -60,6 +60,18 @@ class ParallelLayout:
     def rank(self, at: Coordinates) -> int:
         return ((at.pp * self.dp_replicate + at.dp_replicate) * self.dp_shard + at.dp_shard) * self.tp + at.tp
 
+    def data_rank(self, rank: int) -> int:
+        """Which of the ``dp`` data-parallel ranks ``rank`` is: the share of each step's samples it takes, with the
+        other ranks of its tp group (and pipeline)."""
+        at = self.coordinates(rank)
+        return at.dp_replicate * self.dp_shard + at.dp_shard
+
+    def reports(self, rank: int) -> bool:
+        """Whether ``rank`` reports its data-parallel rank's loss and samples: one rank of each tp group, in the
+        last pipeline stage (where the loss is)."""
+        at = self.coordinates(rank)
+        return at.tp == 0 and at.pp == self.pp - 1
+
     def describe(self) -> str:
         """``pp2 x dp2 x tp2`` (``dp2 (2 copies)`` with HSDP's copies); the degrees of 1 left out."""
         copies = f" ({self.dp_replicate} copies)" if self.dp_replicate > 1 else ""

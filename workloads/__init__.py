@@ -46,6 +46,15 @@ def resolve_workload_class(name: str) -> type:
     return cls
 
 
+def check_workload(name: str, tp: int = 1) -> None:
+    """What can be checked of workload ``name`` without building it: its class resolves (``resolve_workload_class``)
+    and, for tensor parallelism (``tp`` > 1), has a ``parallelize(model, tp_mesh)``."""
+    cls = resolve_workload_class(name)
+    if tp > 1 and not hasattr(cls, "parallelize"):
+        raise ValueError(f"parallel.tp={tp} needs the workload to split its model: workload.name={name!r} "
+                         f"({cls.__name__}) has no parallelize(model, tp_mesh) method (see workloads/protocol.py)")
+
+
 def load_workload(name: str, options: dict | None = None) -> Workload:
     """Construct the workload ``name`` with ``options`` as keyword arguments."""
     cls = resolve_workload_class(name)

@@ -21,7 +21,10 @@ import sysconfig
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import TensorDataset
+
+from raylastic.workloads.gpt_parallel import parallelize_gpt
 
 VOCAB_SIZE = 256  # one token per byte
 EVAL_WINDOWS = 64  # held-out windows scored by ``evaluate``
@@ -48,19 +51,23 @@ def load_stdlib_corpus(num_chars: int) -> bytes:
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
         super().__init__()
-        self.n_head = n_head
+        self.n_head, self.head_dim = n_head, n_embd // n_head
         self.dropout = dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        # Separate projections, not one fused [q; k; v]: tensor parallelism splits each by heads (its rows).
+        self.q = nn.Linear(n_embd, n_embd)
+        self.k = nn.Linear(n_embd, n_embd)
+        self.v = nn.Linear(n_embd, n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
-        q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2)
-                   for t in self.qkv(x).split(channels, dim=2))
+        batch, time = x.shape[:2]
+        # -1 heads: all of them, or this rank's under tensor parallelism
+        q, k, v = (projection(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+                   for projection in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, channels)))
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, -1)))
 
 
 class Block(nn.Module):
@@ -92,12 +99,14 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        # A ModuleDict ("0", "1", ...): the parameter names of a ModuleList, and a pipeline stage can drop blocks
+        # without renumbering the rest.
+        self.blocks = nn.ModuleDict({str(index): Block(n_embd, n_head, dropout) for index in range(n_layer)})
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
         self.apply(_init_weights)
-        for block in self.blocks:  # GPT-2's scaled init of the projections into the residual stream
+        for block in self.blocks.values():  # GPT-2's scaled init of the projections into the residual stream
             for proj in (block.attn.proj, block.mlp[-1]):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
@@ -106,7 +115,7 @@ class GPT(nn.Module):
         if time > self.block_size:
             raise ValueError(f"sequence length {time} exceeds block_size {self.block_size}")
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(time, device=idx.device)))
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
@@ -162,12 +171,16 @@ class CharGPT:
     @staticmethod
     def num_parameters(n_layer: int, n_head: int, n_embd: int, block_size: int) -> int:
         """Parameter count of ``build_model()`` for this shape (``n_head`` does not change it)."""
-        per_block = 12 * n_embd * n_embd + 13 * n_embd  # qkv, proj, 4x MLP with biases, two LayerNorms
+        per_block = 12 * n_embd * n_embd + 13 * n_embd  # q, k, v, proj, 4x MLP with biases, two LayerNorms
         return (VOCAB_SIZE + block_size) * n_embd + n_layer * per_block + 2 * n_embd  # + final LayerNorm
 
     def build_model(self) -> torch.nn.Module:
         """A fresh GPT, initialised (normal, std 0.02) from the process's torch seed."""
         return GPT(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size)
+
+    def parallelize(self, model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+        """Tensor parallelism (parallel.tp > 1): Megatron's split of every block (workloads/gpt_parallel.py)."""
+        parallelize_gpt(model, tp_mesh)
 
     def train_dataset(self) -> TensorDataset:
         """Inputs and next-byte targets, both ``int64[N, block_size]``."""

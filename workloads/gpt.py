@@ -21,9 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Subset
 
 from raylastic.workloads.chargpt import GPT
+from raylastic.workloads.gpt_parallel import parallelize_gpt
 from raylastic.workloads.token_checks import DTYPES, TokenFileError
 from raylastic.workloads.tokens import TokenBlocks, stacked
 
@@ -70,6 +72,10 @@ class TokenGPT:
         """A fresh GPT, initialised (normal, std 0.02) from the process's torch seed."""
         return GPT(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size,
                    vocab_size=self.vocab_size, dropout=self.dropout)
+
+    def parallelize(self, model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+        """Tensor parallelism (parallel.tp > 1): Megatron's split of every block (workloads/gpt_parallel.py)."""
+        parallelize_gpt(model, tp_mesh)
 
     def train_dataset(self) -> TokenBlocks:
         """train.bin's windows: inputs and next-token targets, both ``int64[block_size]``."""

@@ -45,6 +45,11 @@ Optional:
   forward passes are collective); a classifier returns ``"accuracy"``. Compare outputs with targets on
   the output's device: under ``strategy.offload`` the parameters wait on the CPU while forward runs on
   the GPU.
+- ``parallelize(model, tp_mesh)``: required for ``parallel.tp > 1``. Split ``model`` in place over the
+  ranks of ``tp_mesh`` (a 1-D DeviceMesh), e.g. with torch's ``parallelize_module`` and a plan of
+  ``ColwiseParallel``/``RowwiseParallel`` styles (workloads/gpt_parallel.py is the built-in GPT's). Every
+  rank of the tp group gets the same batches. A loss on logits left split by class (a colwise head with
+  ``use_local_output=False``) works: forward and backward run under ``loss_parallel``.
 - ``eval_dataset()`` with ``eval_step(model, batch) -> dict[str, Tensor | float]``: evaluation spread
   over all ranks. ``eval_step`` returns *sums* over the batch's samples; Raylastic adds them up over
   batches and ranks and reports each divided by the number of samples evaluated.

@@ -85,7 +85,7 @@ class Controller:
         self.log = RunLog()
         self.metrics = RunMetrics(job.name)
         self.checkpoints = RunCheckpoints(root=checkpoint_root, config_hash=job.math_hash(), log=self.log)
-        self.replicated = job.strategy.replicated
+        self.replicated = job.replicated
         self.policies = policies or RunPolicies.for_job(job)
         self.faults = FaultPlan(job.faults)
         if group is None:
@@ -192,7 +192,8 @@ class Controller:
     def _form(self, state: Forming) -> RunState:
         """Every member joins generation g+1; the state is handed over or restored."""
         started, before = time.time(), self.step
-        reports = self.group.form(run_step=self.step)
+        layout = self.policies.layout.decide(self.group.size)
+        reports = self.group.form(run_step=self.step, layout=layout)
         member_steps = [report.step for report in reports]
         plan = None if self.replicated else plan_peer_restore([report.shard_copies for report in reports])
         newest = None
@@ -222,14 +223,15 @@ class Controller:
             self.step, label = 0, "initialisation"
         self.log.event("generation_formed", self.step, generation=self.group.generation, world_size=self.group.size,
                        state_source=label, steps_lost=max(0, before - self.step),
-                       duration_s=round(time.time() - started, 4))
+                       duration_s=round(time.time() - started, 4), **({"layout": layout.describe()} if layout else {}))
         return Running(recovering_since=state.recovering_since)
 
     def _train(self, state: Running) -> RunState:
         """One poll of the training generation (started first, at the first transition): the poll's observers take
         it in, the judge decides whether the generation trains on, and a scale-up may ask for a boundary."""
         if not state.started:
-            shares = self.shares.split_for(self.group.member_names) if self.job.scaling.balance == "auto" else None
+            balanced = self.job.scaling.balance == "auto" and self.job.parallel.model_parallel == 1
+            shares = self.shares.split_for(self.group.member_names) if balanced else None
             self.group.start_training(self.job.training.steps,
                                       [self.faults.for_rank(r) for r in range(self.group.size)], shares)
             self.training_progress = Progress(self.step, state.recovering_since)
@@ -288,9 +290,11 @@ class Controller:
         """At a step boundary: drained workers leave, ready joiners come in. Sharded state the leavers hold is
         saved by the old group first; the new one loads it, resharded, where the members' copies do not hold the
         same step (a leaver whose buddy leaves with it, or no buddy copy). With nobody leaving, every shard stays
-        in the members' memory and goes over to the new layout from there. Nothing is discarded."""
+        in the members' memory and goes over to the new layout from there; under model parallelism, which keeps
+        no copies, it is saved first too. Nothing is discarded."""
         restore = None
-        if not self.replicated and self.group.num_leaving:
+        kept_in_memory = self.job.parallel.model_parallel == 1  # the members' shard copies (no model parallelism)
+        if not self.replicated and (self.group.num_leaving or not kept_in_memory):
             path = self.group.save_checkpoint()
             self.log.event("checkpointed", self.step, path=path, reason="membership change")
             restore = Checkpoint(path, read_manifest(path))

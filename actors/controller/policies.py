@@ -68,9 +68,12 @@ class ScalingPolicy:
     min_workers: int
     max_workers: int
     spare_workers: int = 0
+    unit: int = 1
+    """parallel.tp: a generation takes whole tp groups (``trained_workers``); the spares that complete one join."""
 
     def decide(self, state: ScalingState) -> Noop | Resize:
-        target = min(self.max_workers, state.num_workers + state.num_placeable)
+        available = state.num_workers + state.num_placeable + (state.num_spares_ready if self.unit > 1 else 0)
+        target = trained_workers(min(self.max_workers, available), self.unit)
         if target != state.num_workers and target >= self.min_workers:
             return Resize(target, from_spares=min(state.num_spares_ready, target - state.num_workers))
         return Noop()
@@ -85,6 +88,14 @@ class ScalingPolicy:
     def spares_to_take(self, *, num_workers: int, num_spares_ready: int) -> int:
         """After a failure: ready spares that bring the group back towards max_workers at once."""
         return max(0, min(num_spares_ready, self.max_workers - num_workers))
+
+
+def trained_workers(num_workers: int, unit: int) -> int:
+    """How many of ``num_workers`` a generation trains with when its layers split over ``unit`` ranks (parallel.tp):
+    whole tp groups, or with fewer workers than ``unit`` the largest divisor of it (``choose_layout``)."""
+    if num_workers >= unit:
+        return num_workers - num_workers % unit
+    return max(d for d in _divisors(unit) if d <= num_workers) if num_workers else 0
 
 
 def workers_missing(*, min_workers: int, num_workers: int) -> int:
@@ -141,6 +152,30 @@ def choose_layout(num_workers: int, parallel: ParallelConfig, *, replicas: int,
                 copies = effective_replicas(replicas, dp)
                 return ParallelLayout(pp=pp, dp_replicate=copies, dp_shard=dp // copies, tp=tp)
     return None
+
+
+@dataclass(frozen=True)
+class LayoutPolicy:
+    """The layout each generation trains in (``choose_layout``); none without model parallelism."""
+
+    parallel: ParallelConfig = ParallelConfig()
+    replicas: int = 1
+    """The data-parallel copies the strategy keeps (HSDP's strategy.replicas; every data-parallel rank for ddp)."""
+    global_batch_size: int = 1
+
+    @classmethod
+    def for_job(cls, job: JobConfig) -> LayoutPolicy:
+        replicas = job.scaling.max_workers if job.strategy.name == "ddp" else job.strategy.replicas
+        return cls(parallel=job.parallel, replicas=replicas, global_batch_size=job.training.global_batch_size)
+
+    def decide(self, num_workers: int) -> ParallelLayout | None:
+        """The layout of a generation of up to ``num_workers`` workers; None: every worker a data-parallel rank."""
+        if self.parallel.model_parallel == 1:
+            return None
+        layout = choose_layout(num_workers, self.parallel, replicas=self.replicas,
+                               global_batch_size=self.global_batch_size)
+        assert layout is not None, (num_workers, self)  # only a pipeline's micro-batches can leave none
+        return layout
 
 
 def _divisors(n: int) -> list[int]:
@@ -340,12 +375,14 @@ class RunPolicies:
     scaling: ScalingPolicy
     failure: FailurePolicy
     judge: GenerationJudge
+    layout: LayoutPolicy = LayoutPolicy()
 
     @classmethod
     def for_job(cls, job: JobConfig) -> RunPolicies:
         """The policies the job's ``scaling:`` and ``failure:`` sections set."""
         return cls(scaling=ScalingPolicy(min_workers=job.scaling.min_workers, max_workers=job.scaling.max_workers,
-                                         spare_workers=job.scaling.spare_workers),
+                                         spare_workers=job.scaling.spare_workers, unit=job.parallel.model_parallel),
                    failure=FailurePolicy(max_failures=job.failure.max_failures),
                    judge=GenerationJudge(step_timeout_s=job.failure.step_timeout_s, max_step_s=job.failure.max_step_s,
-                                         collective_timeout_s=job.failure.collective_timeout_s))
+                                         collective_timeout_s=job.failure.collective_timeout_s),
+                   layout=LayoutPolicy.for_job(job))

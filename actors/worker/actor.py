@@ -25,6 +25,7 @@ from raylastic.jobconfig import (
     JobConfig,
     LinkConfig,
     OptimConfig,
+    ParallelConfig,
     StrategyConfig,
     TrainingConfig,
     WorkloadConfig,
@@ -59,6 +60,7 @@ class WorkerSpec:
     """scaling.straggler_factor."""
     link: LinkConfig = LinkConfig()
     """An emulated slow link (tests and demos)."""
+    parallel: ParallelConfig = ParallelConfig()
 
     @classmethod
     def for_job(cls, job: JobConfig, checkpointer: CheckpointSettings, profile_dir: str | None = None) -> WorkerSpec:
@@ -66,8 +68,9 @@ class WorkerSpec:
         return cls(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
                    data=job.data, eval=job.eval, use_gpu=job.scaling.use_gpu,
                    torch_threads=max(1, int(job.scaling.cpus_per_worker)), checkpointer=checkpointer,
-                   profile_dir=profile_dir, balance=job.scaling.balance, straggler_factor=job.scaling.straggler_factor,
-                   link=job.link)
+                   profile_dir=profile_dir, straggler_factor=job.scaling.straggler_factor, link=job.link,
+                   # the ranks of a tp group take the same samples: even shares of the data-parallel ranks
+                   balance="off" if job.parallel.model_parallel > 1 else job.scaling.balance, parallel=job.parallel)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,9 @@ class TrainWorkerProcess:
 
     def join(self, assignment: GroupAssignment) -> JoinReport:
         return self.worker.join(assignment)
+
+    def leave(self, collective_timeout_s: float) -> None:
+        return self.worker.leave(collective_timeout_s)
 
     def sync_state(self, source_rank: int) -> int:
         return self.worker.sync_state(source_rank)

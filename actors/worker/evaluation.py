@@ -4,7 +4,9 @@
 share of ``eval_dataset`` and the sums are all-reduced, so every rank ends with the same metrics
 (each sum divided by the samples evaluated). Every rank runs the same number of forward passes (a
 rank whose share is shorter repeats a batch and discards it): under zero3 each forward gathers
-parameters collectively, so no rank may skip one.
+parameters collectively, so no rank may skip one. Under tensor parallelism the shares are the data-parallel
+ranks' (actors/worker/data_place.py): the ranks of a tp group evaluate the same batches together, and one
+of them counts them.
 
 Example::
 
@@ -20,9 +22,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from raylastic.actors.data.batch_split import rank_slice
 from raylastic.actors.data.batches import fetch_batch, loader_inputs, to_device
+from raylastic.actors.worker.data_place import DataPlace
+from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.workloads.protocol import Workload
 
 
@@ -30,6 +35,8 @@ class Evaluator:
     def __init__(self, workload: Workload, *, batch_size: int, device: torch.device,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         self.workload, self.batch_size, self.device, self.autocast = workload, batch_size, device, autocast
+        self.layout: ParallelLayout | None = None
+        """The current group's model-parallel layout (None: every rank a data-parallel one)."""
         self.dataset = workload.eval_dataset() if hasattr(workload, "eval_dataset") else None
         if self.dataset is not None:
             self.source, self.collate = loader_inputs(self.dataset, getattr(workload, "collate", None))
@@ -38,17 +45,18 @@ class Evaluator:
         """The workload's ``evaluate(model)`` and the distributed ``eval_step`` metrics, in eval mode."""
         was_training = model.training
         model.eval()
+        place = DataPlace.in_group(self.layout) if dist.is_initialized() else DataPlace(rank=0, ranks=1)
         try:
-            with torch.no_grad(), self.autocast():
+            with torch.no_grad(), self.autocast(), place.loss_context():
                 metrics = dict(self.workload.evaluate(model)) if hasattr(self.workload, "evaluate") else {}
                 if self.dataset is not None:
-                    metrics.update(self._distributed(model))
+                    metrics.update(self._distributed(model, place))
         finally:
             model.train(was_training)
         return metrics
 
-    def _distributed(self, model: torch.nn.Module) -> dict[str, float]:
-        rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    def _distributed(self, model: torch.nn.Module, place: DataPlace) -> dict[str, float]:
+        rank, world_size = place.rank, place.ranks
         total = len(self.dataset)
         if total >= world_size:
             start, stop = rank_slice(total, rank, world_size)
@@ -60,17 +68,22 @@ class Evaluator:
         sums: torch.Tensor | None = None
         for number in range(rounds):
             indices = list(range(start + number * self.batch_size, min(stop, start + (number + 1) * self.batch_size)))
-            counted = bool(indices)
+            counted = bool(indices) and place.reports
             batch = fetch_batch(self.source, self.collate, indices or [0])
             result = self.workload.eval_step(model, to_device(batch, self.device))
             names = names or sorted(result)
-            values = torch.tensor([float(result[name]) for name in names] + [len(indices)], dtype=torch.float64)
+            values = torch.tensor([_number(result[name]) for name in names] + [len(indices)], dtype=torch.float64)
             sums = (values if counted else torch.zeros_like(values)) + (0 if sums is None else sums)
         if sums is None:
             raise ValueError("workload.eval_dataset() is empty")
-        if world_size > 1:
+        if dist.is_initialized() and dist.get_world_size() > 1:
             reduced = sums.to(self.device)
             dist.all_reduce(reduced)
             sums = reduced.cpu()
         count = sums[-1].item()
         return {name: sums[i].item() / count for i, name in enumerate(names)}
+
+
+def _number(value: torch.Tensor | float) -> float:
+    """A metric's value (a DTensor's under tensor parallelism, replicated over the tp ranks) as a float."""
+    return float(value.full_tensor() if isinstance(value, DTensor) else value)

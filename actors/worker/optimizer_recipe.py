@@ -68,19 +68,31 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """The global L2 norm of the gradients (over every rank's shards under ZeRO-2/3), clipped to
-    ``max_norm`` when it is positive. Call after the gradients are reduced, before the optimizer steps."""
+    """The global L2 norm of the gradients (over every rank's shards under ZeRO-2/3 and tensor parallelism),
+    clipped to ``max_norm`` when it is positive. Call after the gradients are reduced, before the optimizer
+    steps."""
     with_grad = [p for p in parameters if p.grad is not None]
     if not with_grad:
         return 0.0
-    grads = [p.grad for p in with_grad]
-    if isinstance(grads[0], DTensor):  # FSDP2's sharded gradients: the per-shard norms are reduced over ranks
-        norm = torch.nn.utils.get_total_norm(grads).full_tensor()
-    elif len({(g.device, g.dtype) for g in grads}) == 1:  # get_total_norm without its grouping (~35 us a step)
-        with torch.no_grad():
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for parameter in with_grad:  # a DTensor norm reduces over its own mesh: one group per mesh, plain ones apart
+        mesh = parameter.grad.device_mesh if isinstance(parameter.grad, DTensor) else None
+        by_mesh.setdefault(mesh, []).append(parameter)
+    if len(by_mesh) == 1:
+        norm = _norm([p.grad for p in with_grad])
     else:
-        norm = torch.nn.utils.get_total_norm(grads)
+        norm = torch.linalg.vector_norm(torch.stack([_norm([p.grad for p in group]) for group in by_mesh.values()]))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm.item()
+
+
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of ``grads``, all plain or all DTensors of one mesh, as a plain tensor."""
+    if isinstance(grads[0], DTensor):  # sharded (FSDP2, tensor parallel): the per-shard norms reduce over ranks
+        return torch.nn.utils.get_total_norm(grads).full_tensor()
+    if len({(g.device, g.dtype) for g in grads}) == 1:  # get_total_norm without its grouping (~35 us a step)
+        with torch.no_grad():
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    return torch.nn.utils.get_total_norm(grads)

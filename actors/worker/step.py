@@ -3,8 +3,9 @@
 Each rank runs forward/backward over its slice of the global batch in micro-batches (only the
 last one communicates); the slices may differ in size (``split``: shares by speed, actors/data/balance.py).
 The workload's ``training_step`` returns a micro-batch's mean loss; it is weighted by the
-micro-batch's samples times world_size / B, because DDP and FSDP average gradients over ranks: the
-result is the gradient of the mean loss over the global batch, however the batch is split. Before each
+micro-batch's samples times dp / B, because DDP and FSDP average gradients over the dp data-parallel ranks
+(every rank; under tensor parallelism each tp group counts as one, actors/worker/data_place.py): the result
+is the gradient of the mean loss over the global batch, however the batch is split. Before each
 micro-batch the RNG is seeded from the run seed, the step and the micro-batch's position in the
 global batch, so dropout masks are a function of the data order, not of the process. The step sets
 the scheduled lr, measures (and optionally clips) the global gradient norm and commits (the optimizer
@@ -34,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from raylastic.actors.data.batch_split import BatchSplit
@@ -42,9 +44,11 @@ from raylastic.actors.data.compute_clock import ComputeClock
 from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
 from raylastic.actors.faults.step_hooks import StepHook
 from raylastic.actors.status.worker import StepResult
+from raylastic.actors.worker.data_place import DataPlace
 from raylastic.actors.worker.optimizer_recipe import clip_gradients, learning_rate, set_learning_rate
 from raylastic.jobconfig import DataConfig, OptimConfig
 from raylastic.strategies.base import Strategy, TrainState
+from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.workloads.protocol import Workload
 
 
@@ -77,17 +81,24 @@ class StepRunner:
     """How each step's global batch is split over the ranks (None: evenly over the current group)."""
     clock: ComputeClock | None = None
     """Measures each step's compute time (None: the step's duration stands for it)."""
+    layout: ParallelLayout | None = None
+    """The current group's model-parallel layout (parallel.tp > 1; ``split`` is then not used); None: every rank
+    is a data-parallel rank."""
+
+    def place(self) -> DataPlace:
+        return DataPlace.in_group(self.layout)
 
     def current_split(self) -> BatchSplit:
-        if self.split is not None and self.split.world_size == dist.get_world_size():
+        ranks = self.place().ranks
+        if self.split is not None and self.split.world_size == ranks and self.layout is None:
             return self.split
-        return BatchSplit.even(self.order.global_batch_size, dist.get_world_size())
+        return BatchSplit.even(self.order.global_batch_size, ranks)
 
     def batches(self, dataset: Dataset, first_step: int, until_step: int, data: DataConfig | None = None
                 ) -> Iterator[Any]:
         """This rank's micro-batches of steps [first_step, until_step) in the current group, collated by the
         workload's ``collate`` (if it has one), for ``run``."""
-        return planned_batches(dataset, self.order, split=self.current_split(), rank=dist.get_rank(),
+        return planned_batches(dataset, self.order, split=self.current_split(), rank=self.place().rank,
                                first_step=first_step, until_step=until_step, micro_batch_size=self.micro_batch_size,
                                collate=getattr(self.workload, "collate", None), data=data or DataConfig(),
                                pin_memory=self.device.type == "cuda")
@@ -106,23 +117,24 @@ class StepRunner:
             hook.before_compute(step_index + 1)
         if batches is None:
             batches = self.batches(self.dataset, step_index, step_index + 1)
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank, place = dist.get_rank(), self.place()
         split = self.current_split()
-        indices = self.order.split_indices(step_index, split, rank)
-        # Averaged gradients (DDP, FSDP): weights that make the average the global batch's mean; a rank stepping
-        # on its own gradient (diloco): its own mean.
-        weight = world_size / self.order.global_batch_size if self.strategy.averages_gradients else 1 / len(indices)
+        indices = self.order.split_indices(step_index, split, place.rank)
+        # Averaged gradients (DDP, FSDP, over the data-parallel ranks): weights that make the average the global
+        # batch's mean; a rank stepping on its own gradient (diloco): its own mean.
+        weight = place.ranks / self.order.global_batch_size if self.strategy.averages_gradients else 1 / len(indices)
         lr = learning_rate(step_index, self.optim, self.total_steps)
         set_learning_rate(state.optimizer, lr)
         state.optimizer.zero_grad(set_to_none=True)
-        loss_sum = backward_over_micro_batches(
-            self.workload, state.wrapped, batches, indices, micro_batch_count(split, self.micro_batch_size),
-            device=self.device, seed=self.seed, step_index=step_index, position=split.bounds(rank)[0], weight=weight,
-            autocast=self.autocast, no_sync=lambda: self.strategy.no_sync(state),
-            scale=self.scaler.scale if self.scaler else None, before_last=before_reduction)
+        with place.loss_context():
+            loss_sum = backward_over_micro_batches(
+                self.workload, state.wrapped, batches, indices, micro_batch_count(split, self.micro_batch_size),
+                device=self.device, seed=self.seed, step_index=step_index, position=split.bounds(place.rank)[0],
+                weight=weight, autocast=self.autocast, no_sync=lambda: self.strategy.no_sync(state),
+                scale=self.scaler.scale if self.scaler else None, before_last=before_reduction, stream=place.stream)
         backward_returned = time.perf_counter()
         compute_s = self.clock.compute_s(backward_returned - started) if self.clock else backward_returned - started
-        consumed = self._gather_sample_ids(indices, split) if self.record_samples else None
+        consumed = self._gather_sample_ids(indices, split, place) if self.record_samples else None
         if self.scaler is not None:
             self.scaler.unscale_(state.optimizer)  # the norm and the clipping see the true gradients
         grad_norm = clip_gradients(state.model.parameters(), self.optim.clip_grad_norm)
@@ -138,7 +150,8 @@ class StepRunner:
         traffic = state.comm.state.take_traffic() if state.comm else None
         timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
         bytes_sent = (traffic.bytes_sent if traffic else 0) + between_steps.bytes_sent
-        result = StepResult(step=step_index + 1, loss_sum=loss_value, samples=len(indices),
+        result = StepResult(step=step_index + 1, loss_sum=loss_value if place.reports else 0.0,
+                            samples=len(indices) if place.reports else 0,
                             duration_s=time.perf_counter() - started, finished_at=time.time(),
                             sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm, compute_s=compute_s,
                             bytes_sent=bytes_sent,
@@ -172,11 +185,13 @@ class StepRunner:
         self.scaler.update()
         return self.scaler.get_scale() < scale_before
 
-    def _gather_sample_ids(self, indices: torch.Tensor, split: BatchSplit) -> tuple[int, ...]:
-        """Every rank's sample ids of this step, in rank order, as each rank reports them (the ledger)."""
+    def _gather_sample_ids(self, indices: torch.Tensor, split: BatchSplit, place: DataPlace) -> tuple[int, ...]:
+        """Every data-parallel rank's sample ids of this step, in their order, as each rank reports them (the
+        ledger): each one's once, from its reporting rank."""
         padded = torch.full((max(split.sizes),), -1, dtype=torch.int64)
-        padded[: len(indices)] = indices
-        parts = [torch.empty_like(padded, device=self.device) for _ in range(split.world_size)]
+        if place.reports:
+            padded[: len(indices)] = indices
+        parts = [torch.empty_like(padded, device=self.device) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, padded.to(self.device))
         return tuple(i for part in parts for i in part.tolist() if i >= 0)
 
@@ -187,7 +202,7 @@ def backward_over_micro_batches(workload: Workload, model: torch.nn.Module, batc
                                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                                 no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                                 scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                                before_last: Callable[[], None] | None = None) -> torch.Tensor:
+                                before_last: Callable[[], None] | None = None, stream: int = 0) -> torch.Tensor:
     """Forward and backward over one step's micro-batches on this rank - the synchronous step's and an async_ps
     worker's alike - accumulating ``weight`` x each micro-batch's summed loss into the gradients; the summed loss.
 
@@ -195,19 +210,20 @@ def backward_over_micro_batches(workload: Workload, model: torch.nn.Module, batc
     come from ``batches`` in order; ``position``: where the first one starts in the step's global batch (each
     micro-batch seeds the RNG from it); ``no_sync``: the context every micro-batch but the last runs in (the
     strategy's); ``scale``: fp16's loss scaling; ``before_last``: called before the backward that reduces the
-    gradients."""
+    gradients; ``stream``: this rank's random stream among the ranks that take the same samples (``DataPlace``)."""
     loss_sum = torch.zeros((), device=device)
     chunks = micro_batches(indices, count)
     last_chunk = len(chunks) - 1
     for number, chunk in enumerate(chunks):
         batch = to_device(next(batches), device)
-        seed_rng(step_seed(seed, step_index, position), device)
+        seed_rng(step_seed(seed, step_index, position, stream), device)
         samples = len(chunk) if number < len(indices) else 0  # 0: padding, for the same count on every rank
         position += samples
         with contextlib.nullcontext() if number == last_chunk else no_sync(), autocast():
             loss = workload.training_step(model, batch)
         samples_loss = loss.float() * samples
-        loss_sum = loss_sum + samples_loss.detach()
+        detached = samples_loss.detach()  # under loss_parallel, a DTensor replicated over the tp ranks
+        loss_sum = loss_sum + (detached.full_tensor() if isinstance(detached, DTensor) else detached)
         scaled = samples_loss * weight
         if number == last_chunk and before_last is not None:
             before_last()
@@ -222,9 +238,10 @@ def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractCon
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def step_seed(seed: int, step: int, position: int) -> int:
-    """The RNG seed of the micro-batch that starts at ``position`` of step ``step``'s global batch."""
-    return ((seed * 1_000_003 + step) * 1_000_033 + position) % 2**63
+def step_seed(seed: int, step: int, position: int, stream: int = 0) -> int:
+    """The RNG seed of the micro-batch that starts at ``position`` of step ``step``'s global batch, in random
+    stream ``stream`` (``DataPlace.stream``)."""
+    return (((seed * 1_000_003 + step) * 1_000_033 + position) + stream * 1_000_000_007) % 2**63
 
 
 def seed_rng(seed: int, device: torch.device) -> None:

@@ -57,9 +57,10 @@ from raylastic.strategies.build import build_strategy
 from raylastic.strategies.checkpoint import Checkpointer, load_into, verify_for_load
 from raylastic.strategies.emulated_link import EmulatedLink
 from raylastic.strategies.group_assignment import GroupAssignment
+from raylastic.strategies.parallel_mesh import ParallelMesh, parallel_mesh
 from raylastic.strategies.peer_restore import PeerRestorePlan
 from raylastic.strategies.plain_objects import all_gather_plain
-from raylastic.strategies.process_group import choose_backend, choose_device, join_group
+from raylastic.strategies.process_group import choose_backend, choose_device, join_group, leave_group
 from raylastic.strategies.shard_copy import KeptShards, gather_shards, keep_shards, load_full_state
 from raylastic.strategies.shard_layout import effective_replicas
 from raylastic.workloads import load_workload
@@ -81,7 +82,7 @@ class TrainWorker:
         self.rendezvous_stores: list[RayStore] = []
         """Every group's store, kept: a group holds only the C++ side of its Python store."""
         self.workload = load_workload(spec.workload.name, spec.workload.options)
-        self.strategy = build_strategy(spec.strategy)
+        self.strategy = build_strategy(spec.strategy, spec.parallel)
         self.build_optimizer = optimizer_factory(spec.optim, getattr(self.workload, "configure_optimizer", None))
         dataset = self.workload.train_dataset()
         training = spec.training
@@ -109,6 +110,8 @@ class TrainWorker:
         self._state_intact = True
         """False while (and after) a hand-over into this worker's state is incomplete."""
         self._generation: int | None = None
+        self._mesh: ParallelMesh | None = None
+        """The generation's model-parallel mesh (parallel.tp > 1); None without model parallelism."""
         self._kept: list[KeptShards] = []
         """Sharded strategies: this worker's CPU copies of shards of an earlier generation's state."""
         self.copies: BuddyCopies | None = None
@@ -133,28 +136,18 @@ class TrainWorker:
     def join(self, assignment: GroupAssignment) -> JoinReport:
         """Leave the old group and join generation ``assignment.generation``. A replicated strategy
         keeps its model and optimizer; a sharded one builds them afresh for the new group."""
-        self.loop.leave(collective_timeout_s=assignment.timeout_s)
-        self.saver.detach()
-        if self.copies is not None:
-            self.copies.close()
-        self.status.drop_results()  # step results the Controller did not take before the last generation ended
-        self._keep_shards()
-        self.copies = None
-        keep = self.strategy.replicated and self.state is not None and self._state_intact
-        previous = self.state.kept_across_groups() if keep else None
-        if self.strategy.replicated and not self._state_intact:  # rebuilt from the seed below: a valid step-0 state
-            self.status.step, self._state_intact = 0, True
-        self.state, self.checkpoint_group = None, None
-        gc.collect()  # the old DDP's reducer, its autograd hooks and its hold on the old group must be gone
+        previous = self._leave(assignment.timeout_s)
         store = RayStore(assignment.store, timeout=timedelta(seconds=assignment.timeout_s))
         self.rendezvous_stores.append(store)
         join_group(assignment, self.backend, store)
         self._generation = assignment.generation
+        self._mesh = parallel_mesh(self.device, assignment.layout) if assignment.layout is not None else None
+        self.runner.layout = self.evaluator.layout = assignment.layout
         timeout = timedelta(seconds=assignment.timeout_s)
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)  # async saves: not the training group
         copies_group = dist.new_group(backend="gloo", timeout=timeout) if self._keeps_buddy_copies(assignment) else None
         node_ids = all_gather_plain(ray.get_runtime_context().get_node_id(), group=self.checkpoint_group)
-        context = GroupContext(node_ids=tuple(node_ids), completed_steps=assignment.run_step)
+        context = GroupContext(node_ids=tuple(node_ids), completed_steps=assignment.run_step, mesh=self._mesh)
         if previous is None:
             torch.manual_seed(self.spec.training.seed)  # identical initialisation on every rank
         self.state = self.strategy.setup(self._build_model, self.build_optimizer, self.device, previous, context)
@@ -172,18 +165,43 @@ class TrainWorker:
         return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.status.step,
                           shard_copies=tuple(kept.copy for kept in self._kept))
 
+    def leave(self, collective_timeout_s: float) -> None:
+        """Leave the current group without joining another (a spare again: a generation's layout left this worker
+        out). Its peers blocked in a collective with it fail now instead of at the collective timeout."""
+        self._leave(collective_timeout_s)
+        leave_group()
+
+    def _leave(self, collective_timeout_s: float) -> TrainState | None:
+        """End the current generation's work and let go of its state and groups; the state a replicated strategy
+        carries into the next generation (None: it is built afresh)."""
+        self.loop.leave(collective_timeout_s=collective_timeout_s)
+        self.saver.detach()
+        if self.copies is not None:
+            self.copies.close()
+        self.status.drop_results()  # step results the Controller did not take before the last generation ended
+        self._keep_shards()
+        self.copies = None
+        keep = self.strategy.replicated and self.state is not None and self._state_intact
+        previous = self.state.kept_across_groups() if keep else None
+        if self.strategy.replicated and not self._state_intact:  # rebuilt from the seed below: a valid step-0 state
+            self.status.step, self._state_intact = 0, True
+        self.state, self.checkpoint_group, self._mesh = None, None, None
+        gc.collect()  # the old DDP's reducer, its autograd hooks and its hold on the old group must be gone
+        return previous
+
     def _keeps_buddy_copies(self, assignment: GroupAssignment) -> bool:
         """Whether this generation's sharded state exists once (one copy: strategy.replicas 1, or a world size it
-        does not divide), so each rank's shard is also sent to its buddy after every step."""
+        does not divide), so each rank's shard is also sent to its buddy after every step. Not under model
+        parallelism: its shards are not the row shards of the whole group that the copies are made of."""
         strategy = self.spec.strategy
         return (not self.strategy.replicated and strategy.buddy_copy and assignment.world_size > 1
-                and effective_replicas(strategy.replicas, assignment.world_size) == 1)
+                and assignment.layout is None and effective_replicas(strategy.replicas, assignment.world_size) == 1)
 
     def _keep_shards(self) -> None:
         """Sharded strategies, before the state goes: keep this rank's shard of it in CPU memory, with the copies
         its buddy exchange holds. A state that is not the run's (a join, then no restore) leaves the copies made
         before it, which are still the run's."""
-        if self.strategy.replicated or self.state is None or not self._holds_run_state:
+        if self.strategy.replicated or self.state is None or not self._holds_run_state or self._mesh is not None:
             return
         self._holds_run_state = False
         kept = self.copies.kept() if self.copies is not None else []
@@ -298,5 +316,8 @@ class TrainWorker:
         return {**memory_breakdown(self.state), "buddy_copies": self.copies.host_bytes() if self.copies else 0}
 
     def _build_model(self) -> torch.nn.Module:
-        return self.workload.build_model().to(self.device)
+        model = self.workload.build_model().to(self.device)
+        if self._mesh is not None and self._mesh.tp is not None:
+            self.workload.parallelize(model, self._mesh.tp)
+        return model
 

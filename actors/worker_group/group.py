@@ -48,6 +48,7 @@ from raylastic.actors.worker_group.poller import GenerationPoller, death_reason
 from raylastic.jobconfig import FaultConfig, JobConfig
 from raylastic.strategies.checkpoint_catalogue import CheckpointSettings
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
+from raylastic.strategies.parallel_layout import ParallelLayout, rank_order
 from raylastic.strategies.peer_restore import PeerRestorePlan
 
 START_GRACE_S = 1.0
@@ -211,14 +212,24 @@ class WorkerGroup:
         self.membership.shutdown()
 
     # -- generations ----------------------------------------------------------------------------------------
-    def form(self, *, run_step: int) -> list[JoinReport]:
-        """Every member leaves its old group and joins generation g+1; their JoinReports, in rank order."""
+    def form(self, *, run_step: int, layout: ParallelLayout | None = None) -> list[JoinReport]:
+        """Every member leaves its old group and joins generation g+1; their JoinReports, in rank order.
+
+        With a model-parallel ``layout``, the members are ranked so that each tp group shares a node where it can
+        (``rank_order``), and those beyond the layout's ranks leave their group and wait as spares (a peer blocked
+        in a collective with one of them fails at once, as with a member that left)."""
         self.generation += 1
+        if layout is not None:
+            members = self.membership.members
+            order = rank_order([m.node_id or self.membership.slots.node_of(m.slot) for m in members], layout.tp)
+            for index in order[layout.world_size:]:
+                members[index].actor.leave.remote(self.collective_timeout_s)  # a spare's failure is found as a spare's
+            self.membership.rank([members[index] for index in order[:layout.world_size]])
         self.ranked = list(self.membership.members)
         reports = self._call_all("join", [(GroupAssignment(
             generation=self.generation, rank=rank, world_size=self.size, store=self.store,
             store_prefix=self.store_prefix, timeout_s=self.collective_timeout_s,
-            run_step=run_step),) for rank in range(self.size)], rendezvous=JOIN_RENDEZVOUS,
+            run_step=run_step, layout=layout),) for rank in range(self.size)], rendezvous=JOIN_RENDEZVOUS,
             on_failure=self._call_off_rendezvous)
         for member, report in zip(self.ranked, reports, strict=True):
             member.node_id = report.node_id

@@ -173,6 +173,11 @@ class Membership:
         self.joining = [m for m in self.joining if m not in joiners]
         self.members += joiners
 
+    def rank(self, ranked: list[Member]) -> None:
+        """The members become ``ranked`` (a reordering of them, or of some); the others wait as spares."""
+        self.spares += [m for m in self.members if m not in ranked]
+        self.members = list(ranked)
+
     def drain(self, names: set[str], *, replace: bool = False) -> None:
         """``names`` leave at the next step boundary; with ``replace``, a slot is asked for each (a node
         being taken away: the run should grow back elsewhere)."""

@@ -107,7 +107,8 @@ class FakeGroup:
     def capacity_note(self) -> str:
         return "(each needs {'CPU': 1})"
 
-    def form(self, *, run_step: int) -> list[JoinReport]:
+    def form(self, *, run_step: int, layout=None) -> list[JoinReport]:
+        assert layout is None, "the fake group forms data-parallel generations only"
         self._call("join")
         self.generation += 1
         copies = self.shard_copies or [()] * self.size

@@ -20,6 +20,8 @@ import datasets
 import torch
 import transformers
 
+from raylastic.workloads.huggingface_parallel import parallelize_huggingface
+
 STRIDES = (1, 2, 3)
 
 
@@ -71,6 +73,24 @@ class TinyCausalLM:
         """The summed loss of the batch's samples (all rows have the same length, so mean * count)."""
         loss = self.training_step(model, batch)
         return {"eval_loss": loss * batch["input_ids"].shape[0]}
+
+
+class TinyLlama(TinyCausalLM):
+    """The same data with a Llama built from its config (grouped-query attention, RMSNorm, SwiGLU, no
+    dropout), split by its own tensor-parallel plan under ``parallel.tp``."""
+
+    def __init__(self, *, vocab_size: int = 64, seq_len: int = 16, num_train: int = 512, num_eval: int = 64,
+                 n_layer: int = 2, n_embd: int = 32, n_head: int = 4, n_kv_head: int = 2) -> None:
+        super().__init__(vocab_size=vocab_size, seq_len=seq_len, num_train=num_train, num_eval=num_eval)
+        self.config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=2 * n_embd,
+                                               num_hidden_layers=n_layer, num_attention_heads=n_head,
+                                               num_key_value_heads=n_kv_head, max_position_embeddings=32)
+
+    def build_model(self) -> torch.nn.Module:
+        return transformers.LlamaForCausalLM(self.config)
+
+    def parallelize(self, model: torch.nn.Module, tp_mesh) -> None:
+        parallelize_huggingface(model, tp_mesh)
 
 
 def _progressions(count: int, *, vocab_size: int, seq_len: int) -> torch.Tensor:

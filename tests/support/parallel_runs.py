@@ -1,0 +1,91 @@
+"""Functions run on every rank by tests/test_tensor_parallel.py (importable by the harness's processes): a few
+steps of the built-in GPT in a model-parallel layout, as TrainWorker sets a generation up, and the trained state
+gathered whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.worker.evaluation import Evaluator
+from raylastic.actors.worker.optimizer_recipe import optimizer_factory
+from raylastic.actors.worker.step import StepRunner
+from raylastic.jobconfig import OptimConfig, ParallelConfig, StrategyConfig
+from raylastic.strategies.base import GroupContext, init_optimizer_state
+from raylastic.strategies.build import build_strategy
+from raylastic.strategies.checkpoint import Checkpointer, load_into
+from raylastic.strategies.parallel_layout import ParallelLayout
+from raylastic.strategies.parallel_mesh import parallel_mesh
+from raylastic.workloads import load_workload
+
+WORKLOAD = ("chargpt", {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "corpus_chars": 60_000})
+GLOBAL_BATCH = 8
+OPTIM = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1, schedule="cosine", warmup_steps=1, min_lr=1e-3,
+                    clip_grad_norm=0.5)
+STEPS = 3
+
+
+def setup(layout: ParallelLayout | None, strategy_name: str = "ddp", precision: str = "fp32",
+          workload_spec: tuple[str, dict] = WORKLOAD):
+    """The strategy, state and step runner of one rank of a generation laid out as ``layout`` (None: one rank,
+    no model parallelism: the reference), training ``workload_spec`` (name, options)."""
+    workload = load_workload(*workload_spec)
+    parallel = ParallelConfig(tp=layout.tp) if layout is not None else ParallelConfig()
+    strategy = build_strategy(StrategyConfig(name=strategy_name), parallel)
+    mesh = parallel_mesh(torch.device("cpu"), layout) if layout is not None else None
+
+    def build_model() -> torch.nn.Module:
+        model = workload.build_model()
+        if mesh is not None and mesh.tp is not None:
+            workload.parallelize(model, mesh.tp)
+        return model
+
+    torch.manual_seed(0)
+    build_optimizer = optimizer_factory(OPTIM, getattr(workload, "configure_optimizer", None))
+    state = strategy.setup(build_model, build_optimizer, torch.device("cpu"), None,
+                           GroupContext(node_ids=("node",) * dist.get_world_size(), completed_steps=0, mesh=mesh))
+    dataset = workload.train_dataset()
+    runner = StepRunner(workload=workload, dataset=dataset, strategy=strategy, optim=OPTIM, total_steps=STEPS,
+                        order=GlobalSampleOrder(len(dataset), GLOBAL_BATCH, seed=0), micro_batch_size=2,
+                        device=torch.device("cpu"), precision=precision, layout=layout, record_samples=True)
+    return workload, strategy, state, runner
+
+
+def train_and_report(layout: ParallelLayout | None, strategy_name: str = "ddp", precision: str = "fp32",
+                     checkpoint_root: str | None = None, workload_spec: tuple[str, dict] = WORKLOAD) -> dict[str, Any]:
+    """Train ``STEPS`` steps; on rank 0: the whole canonical state, each step's reported loss sums, samples and
+    sample ids, and the evaluation's metrics. Saves a checkpoint under ``checkpoint_root`` if given."""
+    workload, strategy, state, runner = setup(layout, strategy_name, precision, workload_spec)
+    results = [runner.run(state, step) for step in range(STEPS)]
+    evaluator = Evaluator(workload, batch_size=4, device=torch.device("cpu"), autocast=runner.autocast)
+    evaluator.layout = layout
+    metrics = evaluator.run(state.model)
+    if checkpoint_root is not None:
+        Checkpointer(root=checkpoint_root, every_steps=0, num_to_keep=1, config_hash="test",
+                     global_batch_size=GLOBAL_BATCH).save(STEPS, strategy.state_dict(state), strategy=strategy_name,
+                                                          world_size=dist.get_world_size()).result()
+    state_dict = whole_state(strategy, state)
+    reported = [(r.loss_sum, r.samples, r.sample_ids) for r in results]
+    all_reported = [None] * dist.get_world_size()
+    dist.all_gather_object(all_reported, reported)
+    return {"state": state_dict, "reported": all_reported, "metrics": metrics} if dist.get_rank() == 0 else {}
+
+
+def restore_and_report(layout: ParallelLayout | None, directory: str, strategy_name: str = "ddp") -> dict[str, Any]:
+    """Load the checkpoint in ``directory`` into a fresh state laid out as ``layout``; rank 0: the whole state."""
+    _, strategy, state, _ = setup(layout, strategy_name)
+    init_optimizer_state(state.optimizer)
+    flat = strategy.state_dict(state)
+    load_into(flat, directory)
+    strategy.load_state_dict(state, flat)
+    state_dict = whole_state(strategy, state)
+    return state_dict if dist.get_rank() == 0 else {}
+
+
+def whole_state(strategy, state) -> dict[str, torch.Tensor]:
+    """The canonical state with every DTensor gathered whole (collective)."""
+    return {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+            for key, value in strategy.state_dict(state).items() if isinstance(value, torch.Tensor)}
