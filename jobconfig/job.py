@@ -107,6 +107,12 @@ class JobConfig:
                              f"({unit}): every data-parallel rank needs at least one sample per step")
 
     @property
+    def balances_shares(self) -> bool:
+        """Whether each step's batch shares follow the ranks' speeds (scaling.balance=auto; not under model
+        parallelism, whose data-parallel ranks take even shares)."""
+        return self.scaling.balance == "auto" and self.parallel.model_parallel == 1
+
+    @property
     def replicated(self) -> bool:
         """Whether every worker holds the whole model and optimizer state (a survivor can hand it over)."""
         return self.strategy.replicated and self.parallel.model_parallel == 1
@@ -115,6 +121,7 @@ class JobConfig:
         """What asynchronous training does not do (each names the field to change)."""
         unsupported = {"scaling.spare_workers": self.scaling.spare_workers != 0,
                        "training.compile": self.training.compile,
+                       "training.activation_checkpointing": self.training.activation_checkpointing != "none",
                        "training.profile_steps": self.training.profile_steps != 0}
         for name, set_ in unsupported.items():
             if set_:

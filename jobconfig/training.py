@@ -10,6 +10,8 @@ from raylastic.jobconfig.checks import is_non_negative_int, is_number, is_positi
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 OnNonfinite = Literal["fail", "skip"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
+ACTIVATION_CHECKPOINTING: tuple[str, ...] = get_args(ActivationCheckpointing)
 OptimizerName = Literal["adamw", "sgd"]
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 Schedule = Literal["constant", "linear", "cosine"]
@@ -46,6 +48,10 @@ class TrainingConfig:
     """bf16: autocast on CPU and GPU; fp16: autocast with dynamic loss scaling, GPU only."""
     compile: bool = False
     """torch.compile the model (kernel fusion); the first step then includes the compile time."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """Recompute activations in backward instead of keeping them, block by block (the model's repeated blocks):
+    "full" keeps only each block's input; "selective" keeps the outputs of its matmuls and attention and
+    recomputes the cheap operations between them. Less memory for more compute; the math is unchanged."""
     profile_steps: int = 0
     """Trace this many steps (from step 3) with the torch profiler on rank 0, for TensorBoard."""
     on_nonfinite: OnNonfinite = "fail"
@@ -64,6 +70,8 @@ class TrainingConfig:
                 self.record_samples)
         require(self.precision in PRECISIONS, "training.precision", one_of(PRECISIONS), self.precision)
         require(isinstance(self.compile, bool), "training.compile", "true or false", self.compile)
+        require(self.activation_checkpointing in ACTIVATION_CHECKPOINTING, "training.activation_checkpointing",
+                one_of(ACTIVATION_CHECKPOINTING), self.activation_checkpointing)
         require(is_non_negative_int(self.profile_steps), "training.profile_steps", "a non-negative integer",
                 self.profile_steps)
         require(self.on_nonfinite in get_args(OnNonfinite), "training.on_nonfinite", one_of(get_args(OnNonfinite)),

@@ -86,7 +86,7 @@ class Checkpointer(CheckpointSettings):
         return settings if isinstance(settings, Checkpointer) else cls(**dataclasses.asdict(settings))
 
     def save(self, step: int, state_dict: dict[str, Any], *, strategy: str, world_size: int,
-             group: dist.ProcessGroup | None = None) -> Future:
+             group: dist.ProcessGroup | None = None, layout: dict[str, int] | None = None) -> Future:
         """Collective: every rank writes its shard of ``state_dict`` and checksums the files it wrote; rank 0
         writes the manifest from every rank's list, then prunes. Returns a future that is done with the
         checkpoint's directory when the checkpoint is complete (at once unless async). A failure raises
@@ -105,7 +105,7 @@ class Checkpointer(CheckpointSettings):
             return _resolved(directory)
         manifest = CheckpointManifest(step=step, world_size=world_size, strategy=strategy,
                                       samples_consumed=step * self.global_batch_size,
-                                      config_hash=self.config_hash, versions=_versions())
+                                      config_hash=self.config_hash, versions=_versions(), layout=layout or {})
         with _as_write_error(directory):
             if not self.async_save:
                 dcp.save(state_dict, storage_writer=_writer(directory), process_group=group)

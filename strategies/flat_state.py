@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from raylastic.strategies.activation_checkpointing import canonical_name
+
 
 def model_entries(model: torch.nn.Module) -> dict[str, Any]:
     return {f"model.{name}": tensor for name, tensor in model.state_dict(keep_vars=True).items()}
@@ -21,7 +23,7 @@ def optimizer_entries(optimizer_state: dict[torch.Tensor, dict[str, Any]],
     flat = {}
     for parameter, entries in optimizer_state.items():
         for key, value in entries.items():
-            flat[f"optim.state.{names[parameter]}.{key}"] = value
+            flat[f"optim.state.{canonical_name(names[parameter])}.{key}"] = value
     return flat
 
 

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
+from raylastic.strategies.activation_checkpointing import repeated_blocks
 from raylastic.strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
 from raylastic.strategies.compression.accounting import NO_TRAFFIC, CommTraffic
 from raylastic.strategies.parallel_layout import ParallelLayout
@@ -70,8 +71,8 @@ class FSDPStrategy:
             mesh, root = parallel.dp, parallel.root
         options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                                        offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
-        for child in _units(model):
-            fully_shard(child, **options)
+        for container, key in repeated_blocks(model):  # each block a unit of its own, the rest with the root
+            fully_shard(container[key], **options)
         fully_shard(model, **options)
         release_group_with(model, root)
         optimizer = build_optimizer(model)
@@ -142,16 +143,6 @@ def release_group_with(owner: object, mesh: DeviceMesh) -> None:
     failure.collective_timeout_s instead of failing when the survivors leave the group.
     """
     weakref.finalize(owner, mesh._pg_registry.clear)
-
-
-def _units(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """The repeated blocks (entries of a ModuleList, or of a ModuleDict keyed "0", "1", ...: a GPT's layers) are
-    units of their own; the rest (embeddings, tied heads, norms) is sharded with the root, as in torchtitan."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList):
-            yield from module
-        elif isinstance(module, torch.nn.ModuleDict) and all(key.isdigit() for key in module):
-            yield from module.values()
 
 
 @contextlib.contextmanager

@@ -230,8 +230,7 @@ class Controller:
         """One poll of the training generation (started first, at the first transition): the poll's observers take
         it in, the judge decides whether the generation trains on, and a scale-up may ask for a boundary."""
         if not state.started:
-            balanced = self.job.scaling.balance == "auto" and self.job.parallel.model_parallel == 1
-            shares = self.shares.split_for(self.group.member_names) if balanced else None
+            shares = self.shares.split_for(self.group.member_names) if self.job.balances_shares else None
             self.group.start_training(self.job.training.steps,
                                       [self.faults.for_rank(r) for r in range(self.group.size)], shares)
             self.training_progress = Progress(self.step, state.recovering_since)

@@ -69,7 +69,8 @@ class ScalingPolicy:
     max_workers: int
     spare_workers: int = 0
     unit: int = 1
-    """parallel.tp: a generation takes whole tp groups (``trained_workers``); the spares that complete one join."""
+    """The ranks a layer is split over (parallel.tp): a generation takes whole groups of them (``trained_workers``),
+    and the spares that complete one join."""
 
     def decide(self, state: ScalingState) -> Noop | Resize:
         available = state.num_workers + state.num_placeable + (state.num_spares_ready if self.unit > 1 else 0)

@@ -68,9 +68,8 @@ class WorkerSpec:
         return cls(workload=job.workload, training=job.training, optim=job.optim, strategy=job.strategy,
                    data=job.data, eval=job.eval, use_gpu=job.scaling.use_gpu,
                    torch_threads=max(1, int(job.scaling.cpus_per_worker)), checkpointer=checkpointer,
-                   profile_dir=profile_dir, straggler_factor=job.scaling.straggler_factor, link=job.link,
-                   # the ranks of a tp group take the same samples: even shares of the data-parallel ranks
-                   balance="off" if job.parallel.model_parallel > 1 else job.scaling.balance, parallel=job.parallel)
+                   profile_dir=profile_dir, balance="auto" if job.balances_shares else "off",
+                   straggler_factor=job.scaling.straggler_factor, link=job.link, parallel=job.parallel)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ and the next save tries again)::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from raylastic.actors.status.run import Event
 from raylastic.actors.worker.mailbox import StatusMailbox
 from raylastic.strategies.base import Strategy, TrainState, scaler_entries
 from raylastic.strategies.checkpoint import Checkpointer, CheckpointWriteError
+from raylastic.strategies.parallel_layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -44,20 +46,22 @@ class AsyncSaver:
         self.status = status
         self._state: TrainState | None = None
         self._group: dist.ProcessGroup | None = None
+        self._layout: ParallelLayout | None = None
         self._pending: Future | None = None
         """The save not yet waited for."""
         self._last: _Save | None = None
         """This generation's newest save, which ``save_now`` of the same step reuses."""
 
-    def attach(self, state: TrainState, group: dist.ProcessGroup) -> None:
-        """Save ``state`` from now on, writing on ``group`` (the generation's gloo group)."""
-        self._state, self._group = state, group
+    def attach(self, state: TrainState, group: dist.ProcessGroup, layout: ParallelLayout | None = None) -> None:
+        """Save ``state`` from now on, writing on ``group`` (the generation's gloo group); ``layout``: the
+        generation's model-parallel layout, recorded in the manifest."""
+        self._state, self._group, self._layout = state, group, layout
 
     def detach(self) -> None:
         """Let a save in flight end, then forget the generation: its state and group must be collectable."""
         self.wait()
         self._last = None
-        self._state, self._group = None, None
+        self._state, self._group, self._layout = None, None, None
 
     def after_step(self, step: int) -> None:
         """Start the periodic save of ``step`` if one is due, once the previous one has ended."""
@@ -90,7 +94,8 @@ class AsyncSaver:
         try:
             future = self.checkpointer.save(
                 step, {**self.strategy.state_dict(self._state), **scaler_entries(self.scaler)},
-                strategy=self.strategy.name, world_size=dist.get_world_size(), group=self._group)
+                strategy=self.strategy.name, world_size=dist.get_world_size(), group=self._group,
+                layout=dataclasses.asdict(self._layout) if self._layout is not None else None)
         except CheckpointWriteError as error:  # every rank gets it: DCP gathers the ranks' write results
             future = Future()
             future.set_exception(error)

@@ -44,6 +44,7 @@ from raylastic.actors.status.worker import WorkerStatus
 from raylastic.actors.worker.actor import JoinReport, WorkerSpec
 from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.mailbox import StatusMailbox
+from raylastic.actors.worker.model_build import build_rank_model
 from raylastic.actors.worker.optimizer_recipe import optimizer_factory
 from raylastic.actors.worker.saver import AsyncSaver
 from raylastic.actors.worker.step import StepRunner
@@ -154,7 +155,7 @@ class TrainWorker:
         if self.spec.training.compile:
             self.state.wrapped = torch.compile(self.state.wrapped)
         self.runner.clock.attach(self.state.model)
-        self.saver.attach(self.state, self.checkpoint_group)
+        self.saver.attach(self.state, self.checkpoint_group, assignment.layout)
         if copies_group is not None:
             self.copies = BuddyCopies(group=copies_group, layout=self.state.layout, generation=assignment.generation,
                                       timeout_s=assignment.timeout_s, pin_memory=self.device.type == "cuda")
@@ -316,8 +317,6 @@ class TrainWorker:
         return {**memory_breakdown(self.state), "buddy_copies": self.copies.host_bytes() if self.copies else 0}
 
     def _build_model(self) -> torch.nn.Module:
-        model = self.workload.build_model().to(self.device)
-        if self._mesh is not None and self._mesh.tp is not None:
-            self.workload.parallelize(model, self._mesh.tp)
-        return model
+        return build_rank_model(self.workload, self.device, mesh=self._mesh,
+                                activation_checkpointing=self.spec.training.activation_checkpointing)
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.actors.worker.evaluation import Evaluator
+from raylastic.actors.worker.model_build import build_rank_model
 from raylastic.actors.worker.optimizer_recipe import optimizer_factory
 from raylastic.actors.worker.step import StepRunner
 from raylastic.jobconfig import OptimConfig, ParallelConfig, StrategyConfig
@@ -29,19 +30,17 @@ STEPS = 3
 
 
 def setup(layout: ParallelLayout | None, strategy_name: str = "ddp", precision: str = "fp32",
-          workload_spec: tuple[str, dict] = WORKLOAD):
-    """The strategy, state and step runner of one rank of a generation laid out as ``layout`` (None: one rank,
-    no model parallelism: the reference), training ``workload_spec`` (name, options)."""
+          workload_spec: tuple[str, dict] = WORKLOAD, activation_checkpointing: str = "none"):
+    """The strategy, state and step runner of one rank of a generation laid out as ``layout`` (None: no model
+    parallelism), training ``workload_spec`` (name, options), as TrainWorker.join sets them up."""
     workload = load_workload(*workload_spec)
     parallel = ParallelConfig(tp=layout.tp) if layout is not None else ParallelConfig()
     strategy = build_strategy(StrategyConfig(name=strategy_name), parallel)
     mesh = parallel_mesh(torch.device("cpu"), layout) if layout is not None else None
 
     def build_model() -> torch.nn.Module:
-        model = workload.build_model()
-        if mesh is not None and mesh.tp is not None:
-            workload.parallelize(model, mesh.tp)
-        return model
+        return build_rank_model(workload, torch.device("cpu"), mesh=mesh,
+                                activation_checkpointing=activation_checkpointing)
 
     torch.manual_seed(0)
     build_optimizer = optimizer_factory(OPTIM, getattr(workload, "configure_optimizer", None))
@@ -55,10 +54,12 @@ def setup(layout: ParallelLayout | None, strategy_name: str = "ddp", precision: 
 
 
 def train_and_report(layout: ParallelLayout | None, strategy_name: str = "ddp", precision: str = "fp32",
-                     checkpoint_root: str | None = None, workload_spec: tuple[str, dict] = WORKLOAD) -> dict[str, Any]:
+                     checkpoint_root: str | None = None, workload_spec: tuple[str, dict] = WORKLOAD,
+                     activation_checkpointing: str = "none") -> dict[str, Any]:
     """Train ``STEPS`` steps; on rank 0: the whole canonical state, each step's reported loss sums, samples and
     sample ids, and the evaluation's metrics. Saves a checkpoint under ``checkpoint_root`` if given."""
-    workload, strategy, state, runner = setup(layout, strategy_name, precision, workload_spec)
+    workload, strategy, state, runner = setup(layout, strategy_name, precision, workload_spec,
+                                              activation_checkpointing)
     results = [runner.run(state, step) for step in range(STEPS)]
     evaluator = Evaluator(workload, batch_size=4, device=torch.device("cpu"), autocast=runner.autocast)
     evaluator.layout = layout
