@@ -313,6 +313,21 @@ def slow_links(result: dict) -> list[str]:
             "", "Definitions:", ""] + [f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
 
 
+def model_parallel(result: dict) -> list[str]:
+    rows = [[r["layout"], fmt(statistics.median(m["samples_per_s"] for m in r["ours"]), 1),
+             fmt(statistics.median(m["samples_per_s"] for m in r["torchrun"]), 1),
+             f"**{r['ratio_ours_over_torchrun']:.3f}**",
+             ", ".join(f"{r['memory_over_formula'][kind]:.2f}" for kind in ("parameters", "gradients", "optimizer"))]
+            for r in result["results"]]
+    first = result["results"][0]
+    return [f"Ours / a torchrun script of the same torch APIs, steady-state samples/s, {result['num_workers']} "
+            f"workers (goal: at least {result['goal_ratio']}), and each rank's memory over the formula:", "",
+            table(["layout", "ours samples/s", "torchrun", "ratio of medians",
+                   "memory / formula (parameters, gradients, optimizer)"], rows), "",
+            f"{len(first['ours'])} rounds per layout, {first['steps']} steps, "
+            f"global batch {first['global_batch_size']}."]
+
+
 def generic(result: dict) -> list[str]:
     scalars = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k not in ("command", "date")}
     return [f"Recorded: {params_line(scalars)}." if scalars else "(no scalar fields recorded)"]
@@ -322,4 +337,5 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "throughput": throughput, "throughput_same_allocator": throughput, "step_costs": step_costs,
     "step_costs_ray": step_costs, "recovery": recovery,
     "redundancy": redundancy, "balance": balance,
-    "memory": memory, "checkpoint": checkpoint, "communication": communication, "slow_links": slow_links}
+    "memory": memory, "checkpoint": checkpoint, "communication": communication, "slow_links": slow_links,
+    "model_parallel": model_parallel}

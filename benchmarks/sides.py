@@ -108,17 +108,18 @@ def measure_ours(job: JobConfig, run_dir: Path) -> OursRun:
 
 
 def run_torchrun(sections: dict, run_dir: Path, num_workers: int = NUM_WORKERS,
-                 peer_options: Sequence[str] = (), peer_env: Mapping[str, str] | None = None) -> Measurement:
-    """The peer on ``num_workers`` ranks; ``peer_options``: more of benchmarks/_torchrun_ddp.py's options;
-    ``peer_env``: more environment for its ranks."""
+                 peer_options: Sequence[str] = (), peer_env: Mapping[str, str] | None = None,
+                 script: Path = PEER_SCRIPT) -> Measurement:
+    """The peer ``script`` (benchmarks/_torchrun_ddp.py) on ``num_workers`` ranks; ``peer_options``: more of its
+    options; ``peer_env``: more environment for its ranks."""
     out, job_file = run_dir / "peer.json", run_dir / "job.json"
     job_file.write_text(json.dumps(sections))
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
                str(num_workers), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               str(PEER_SCRIPT), "--job", str(job_file), "--out", str(out), *peer_options]
+               str(script), "--job", str(job_file), "--out", str(out), *peer_options]
     python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **(peer_env or {}), "PYTHONPATH": python_path}
-    cpu = CpuMeter(rank_marker=PEER_SCRIPT.name)
+    cpu = CpuMeter(rank_marker=script.name)
     wall_s = _run_peer(command, env, out)
     report = json.loads(out.read_text())
     steady = SteadyState.of(report["step_times_s"])

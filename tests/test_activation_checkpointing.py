@@ -35,9 +35,14 @@ def gpt_with_dropout(tmp_path_factory) -> tuple[str, dict]:
                    "dropout": 0.1}
 
 
+@pytest.fixture(scope="module")
+def kept(gpt_with_dropout) -> dict:
+    """One process, every activation kept."""
+    return run_distributed(train_and_report, 1, None, "ddp", "fp32", None, gpt_with_dropout, "none", timeout_s=120)[0]
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recomputed_blocks_with_dropout_train_exactly_as_kept_ones(gpt_with_dropout, mode):
-    kept = run_distributed(train_and_report, 1, None, "ddp", "fp32", None, gpt_with_dropout, "none", timeout_s=120)[0]
+def test_recomputed_blocks_with_dropout_train_exactly_as_kept_ones(gpt_with_dropout, kept, mode):
     recomputed = run_distributed(train_and_report, 1, None, "ddp", "fp32", None, gpt_with_dropout, mode,
                                  timeout_s=120)[0]
     assert_states_close(recomputed["state"], kept["state"], rtol=0, atol=0)  # its keys: no wrapper in a name

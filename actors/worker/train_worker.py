@@ -69,6 +69,12 @@ from raylastic.workloads import load_workload
 logger = logging.getLogger(__name__)
 
 
+def _not_a_known_two_step_redistribution(record: logging.LogRecord) -> bool:
+    """DTensor warns each time a redistribution over a 2-D mesh takes two collectives; under tensor parallelism
+    with a data-parallel mesh every gradient-norm reduction and every gather of the final model does, by design."""
+    return not record.getMessage().startswith("While redistributing from")
+
+
 class TrainWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         priority_warning = run_at_normal_priority()  # before any thread of ours starts: they inherit it
@@ -77,6 +83,7 @@ class TrainWorker:
         self.keeps_freed_memory = keep_freed_memory()
         """False where the user set malloc thresholds of their own, or the C library is not glibc."""
         torch.set_num_threads(spec.torch_threads)
+        logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_not_a_known_two_step_redistribution)
         self.spec = spec
         self.device = choose_device(spec.use_gpu)
         self.backend = choose_backend(spec.use_gpu)
