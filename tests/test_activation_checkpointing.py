@@ -14,23 +14,15 @@ import torch
 from raylastic.strategies.activation_checkpointing import SAVED_OPS, canonical_name, checkpoint_blocks
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.workloads.chargpt import GPT
-from raylastic.workloads.tokens import prepare_corpus, stdlib_corpus_files
 from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import assert_states_close, job
+from tests.support.helpers import assert_states_close, job, tokenized_stdlib
 from tests.support.parallel_runs import train_and_report
 
 
 @pytest.fixture(scope="module")
 def gpt_with_dropout(tmp_path_factory) -> tuple[str, dict]:
     """The gpt workload (dropout 0.1) on the first ~200 KB of the standard library's source."""
-    files, size = [], 0
-    for path in stdlib_corpus_files():
-        if size >= 200_000:
-            break
-        files.append(path)
-        size += path.stat().st_size
-    directory = tmp_path_factory.mktemp("tokens") / "stdlib"
-    prepare_corpus(files, directory)
+    directory = tokenized_stdlib(tmp_path_factory.mktemp("tokens"), 200_000)
     return "gpt", {"data_dir": str(directory), "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16,
                    "dropout": 0.1}
 

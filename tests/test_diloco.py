@@ -13,9 +13,8 @@ import torch
 from raylastic.cluster.job import train
 from raylastic.jobconfig import load_job_config
 from raylastic.tuning.search_space import SearchSpace
-from raylastic.workloads.tokens import prepare_corpus, stdlib_corpus_files
 from tests.support.distributed_harness import run_distributed as run_on_ranks
-from tests.support.helpers import job
+from tests.support.helpers import job, tokenized_stdlib
 from tests.support.strategy_runs import (
     outer_step_after_many_samples,
     restore_and_report,
@@ -152,15 +151,7 @@ def test_a_worker_lost_between_outer_steps_costs_only_its_own_inner_steps(tmp_pa
 @pytest.fixture(scope="module")
 def stdlib_tokens(tmp_path_factory):
     """The GPT recipe's data (``raylastic tokenize --stdlib``), cut to the first ~1 MB of the standard library."""
-    files, size = [], 0
-    for path in stdlib_corpus_files():
-        if size >= 1_000_000:
-            break
-        files.append(path)
-        size += path.stat().st_size
-    directory = tmp_path_factory.mktemp("tokens")
-    prepare_corpus(files, directory)
-    return directory
+    return tokenized_stdlib(tmp_path_factory.mktemp("tokens"), 1_000_000)
 
 
 @pytest.mark.usefixtures("ray_local")

@@ -90,10 +90,15 @@ class GPT(nn.Module):
 
     ``dropout`` (nanoGPT's places: embeddings, attention weights, both residual branches) is active only
     in train mode; at the default 0.0 ``forward`` is deterministic and draws no random numbers.
+    ``tie_embeddings``: the lm head is the token embedding (GPT-2's tying), or a matrix of its own.
+
+    A pipeline stage (``workloads/gpt_pipeline.py``) is a GPT with some parts set to None: without the
+    embeddings its ``forward`` takes the residual stream ``[B, T, n_embd]`` instead of token ids, and without
+    the head it returns the residual stream.
     """
 
     def __init__(self, *, n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_size: int = VOCAB_SIZE,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, tie_embeddings: bool = True):
         super().__init__()
         self.block_size = block_size
         self.wte = nn.Embedding(vocab_size, n_embd)
@@ -104,20 +109,24 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(index): Block(n_embd, n_head, dropout) for index in range(n_layer)})
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+        if tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         self.apply(_init_weights)
         for block in self.blocks.values():  # GPT-2's scaled init of the projections into the residual stream
             for proj in (block.attn.proj, block.mlp[-1]):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = idx if self.wte is None else self._embed(idx)
+        for block in self.blocks.values():
+            x = block(x)
+        return x if self.lm_head is None else self.lm_head(self.ln_f(x))
+
+    def _embed(self, idx: torch.Tensor) -> torch.Tensor:
         time = idx.shape[1]
         if time > self.block_size:
             raise ValueError(f"sequence length {time} exceeds block_size {self.block_size}")
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(time, device=idx.device)))
-        for block in self.blocks.values():
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.drop(self.wte(idx) + self.wpe(torch.arange(time, device=idx.device)))
 
 
 def _init_weights(module: nn.Module) -> None:

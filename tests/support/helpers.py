@@ -16,6 +16,7 @@ import torch
 from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.actors.status.run import Event, RunStatus
 from raylastic.jobconfig import load_job_config
+from raylastic.workloads.tokens import prepare_corpus, stdlib_corpus_files
 from tests.support.ray_head import process_start_time
 
 
@@ -126,3 +127,15 @@ def wait_until_gone(actor_name: str, timeout_s: float = 30) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"{actor_name} is still there after {timeout_s:.0f}s")
+
+
+def tokenized_stdlib(directory: Path, size_bytes: int) -> Path:
+    """``raylastic tokenize --stdlib`` into ``directory``, cut to the leading files of about ``size_bytes``."""
+    files, size = [], 0
+    for path in stdlib_corpus_files():
+        if size >= size_bytes:
+            break
+        files.append(path)
+        size += path.stat().st_size
+    prepare_corpus(files, directory)
+    return directory
