@@ -168,6 +168,8 @@ def test_a_tp2_run_that_loses_a_worker_goes_on_at_the_survivors_layout_from_its_
     for grown in formed[2:]:  # the replacement and the spare, if they came in time: saved first, nothing lost
         assert (grown.details["layout"], grown.details["state_source"], grown.details["steps_lost"]) == (
             "dp2 x tp2", "checkpoint", 0), formed
+    assert {row["layout"] for row in result.history} <= {"dp2 x tp2", "tp2"}
+    assert [row["layout"] for row in result.history][:4] == ["dp2 x tp2"] * 4
     saved_at_4 = read_manifest(str(tmp_path / "run" / "checkpoints" / "step_00000004"))
     assert saved_at_4.layout == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
     num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())

@@ -70,6 +70,8 @@ class RunLog:
         self._applications: dict[int, list[_Application]] = {}
         """By step, every commit of it in the order they came in (the ledger)."""
         self._evaluations: list[dict[str, Any]] = []
+        self._layouts: dict[int, str] = {}
+        """A model-parallel run's generations -> their layouts (``generation_formed``'s), for the history rows."""
 
     def event(self, type_: EventType, step: int, **details: Any) -> Event:
         """Log an event of ``type_`` at ``step``, stamped now."""
@@ -79,6 +81,8 @@ class RunLog:
         """Log ``event`` (e.g. one a worker reported), stamped now."""
         stamped = replace(event, time_s=round(time.time() - self.started, 4))
         with self._lock:
+            if event.type == "generation_formed" and "layout" in event.details:
+                self._layouts[event.details["generation"]] = event.details["layout"]
             self._events.append(stamped)
             self._lock.notify_all()
         return stamped
@@ -148,6 +152,7 @@ class RunLog:
         return {"step": step, "time_s": round(lowest.finished_at - self.started, 4),
                 "loss": sum(r.loss_sum for r in ranks) / samples, "samples": samples,
                 "samples_per_s": round(samples / lowest.step_s, 2), "world_size": reports.world_size,
+                **({"layout": self._layouts[reports.generation]} if reports.generation in self._layouts else {}),
                 "step_s": round(lowest.step_s, 5), **lowest.timings,
                 "bytes_sent": sum(r.bytes_sent for r in ranks),
                 "uncompressed_bytes": sum(r.uncompressed_bytes for r in ranks),
