@@ -1,5 +1,6 @@
-"""Pipeline stages of the built-in GPT (workloads/gpt_pipeline.py), in one process: the stages chained compute the
-whole model, and their parameter names split the whole model's without renaming any."""
+"""Pipeline stages of the built-in GPT (workloads/gpt_pipeline.py): the stages chained compute the whole model, their
+parameter names split the whole model's without renaming any, and each stage splits over a tp group as the whole
+model does (2 gloo ranks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 from raylastic.workloads.chargpt import GPT
 from raylastic.workloads.gpt_pipeline import split_gpt, stage_blocks
+from tests.support.distributed_harness import run_distributed
+from tests.support.parallel_runs import tensor_parallel_stages
 
 
 def _gpt(n_layer: int = 5, tie_embeddings: bool = False) -> GPT:
@@ -43,3 +46,9 @@ def test_a_head_tied_to_the_embedding_is_refused():
     with pytest.raises(ValueError, match="build it with tie_embeddings=False"):
         split_gpt(_gpt(tie_embeddings=True), 0, 2)
     assert split_gpt(_gpt(tie_embeddings=True), 0, 1) is not None  # one stage: the whole model, tie and all
+
+
+def test_each_stage_splits_over_a_tp_group_and_the_chain_computes_the_whole_models_loss_and_gradients():
+    differences = run_distributed(tensor_parallel_stages, 2, 2, timeout_s=120)[0]
+    assert differences["names"]
+    assert differences["loss"] < 1e-6 and differences["gradients"] < 1e-6, differences

@@ -1,13 +1,15 @@
-"""Functions run on every rank by tests/test_tensor_parallel.py (importable by the harness's processes): a few
-steps of the built-in GPT in a model-parallel layout, as TrainWorker sets a generation up, and the trained state
-gathered whole."""
+"""Functions run on every rank by tests/test_tensor_parallel.py, tests/test_activation_checkpointing.py and
+tests/test_gpt_pipeline.py (importable by the harness's processes): a few steps of the built-in GPT in a
+model-parallel layout, as TrainWorker sets a generation up, and the trained state gathered whole."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 
 from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.actors.worker.evaluation import Evaluator
@@ -21,6 +23,9 @@ from raylastic.strategies.checkpoint import Checkpointer, load_into
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.parallel_mesh import parallel_mesh
 from raylastic.workloads import load_workload
+from raylastic.workloads.chargpt import GPT
+from raylastic.workloads.gpt_parallel import parallelize_gpt
+from raylastic.workloads.gpt_pipeline import split_gpt
 
 WORKLOAD = ("chargpt", {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "corpus_chars": 60_000})
 GLOBAL_BATCH = 8
@@ -90,3 +95,31 @@ def whole_state(strategy, state) -> dict[str, torch.Tensor]:
     """The canonical state with every DTensor gathered whole (collective)."""
     return {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
             for key, value in strategy.state_dict(state).items() if isinstance(value, torch.Tensor)}
+
+
+def tensor_parallel_stages(num_stages: int) -> dict[str, float]:
+    """A 3-block untied GPT cut into ``num_stages`` stages, each split over all ranks as a tp group and run one
+    after the other (a pipeline's activations between stages are the ranks' sequence shards); against the whole
+    model on one rank: the largest differences of the loss and of every parameter's gradient."""
+    torch.manual_seed(0)
+    whole = GPT(n_layer=3, n_head=2, n_embd=32, block_size=16, tie_embeddings=False)
+    stages = [split_gpt(copy.deepcopy(whole), stage, num_stages) for stage in range(num_stages)]
+    mesh = parallel_mesh(torch.device("cpu"), ParallelLayout(tp=dist.get_world_size()))
+    for stage in stages:
+        parallelize_gpt(stage, mesh.tp)
+    generator = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(0, 256, (4, 16), generator=generator), torch.randint(0, 256, (4, 16),
+                                                                                     generator=generator)
+    expected = torch.nn.functional.cross_entropy(whole(idx).flatten(0, 1), targets.flatten())
+    expected.backward()
+    with loss_parallel():
+        x = idx
+        for stage in stages:
+            x = stage(x)
+        loss = torch.nn.functional.cross_entropy(x.flatten(0, 1), targets.flatten())
+        loss.backward()
+    gradients = {name: p.grad for stage in stages for name, p in stage.named_parameters()}
+    return {"loss": abs(loss.full_tensor().item() - expected.item()),
+            "gradients": max((g.full_tensor() - dict(whole.named_parameters())[n].grad).abs().max().item()
+                             for n, g in gradients.items()),
+            "names": sorted(gradients) == sorted(n for n, _ in whole.named_parameters())}
