@@ -26,7 +26,7 @@ from raylastic.workloads.chargpt import GPT
 from raylastic.workloads.gpt_parallel import tensor_parallel_rule
 from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import applied_samples, assert_states_close, job, load_model
-from tests.support.parallel_runs import GLOBAL_BATCH, restore_and_report, train_and_report
+from tests.support.parallel_runs import ADAM_TOLERANCE, GLOBAL_BATCH, restore_and_report, train_and_report
 from tests.support.strategy_runs import undisturbed_run
 
 
@@ -34,12 +34,6 @@ from tests.support.strategy_runs import undisturbed_run
 def reference() -> dict:
     """One process, no model parallelism: what every layout must end with."""
     return run_distributed(train_and_report, 1, None, timeout_s=120)[0]
-
-
-ADAM_TOLERANCE = 1e-4
-"""Adam moves an element by ~lr whatever its gradient's size, so an element whose gradient is near zero moves by
-float noise whose sign follows the summation order (tests/test_zero.py): 1e-4 is 1% of one step's lr (1e-2); a
-wrong split would be off by whole updates."""
 
 
 def assert_trains_as_one_process(got: dict, reference: dict) -> None:

@@ -143,6 +143,7 @@ class CharGPT:
         n_layer, n_head, n_embd, block_size: model shape; ``n_embd`` must be divisible by ``n_head``.
         corpus_chars: characters of stdlib source to use (the default is ~400 KB).
         test_fraction: trailing share of the corpus held out for ``evaluate``, in (0, 1).
+        tie_embeddings: the lm head is the token embedding (default), or a matrix of its own (pipeline stages).
 
     Training samples are non-overlapping windows of ``block_size + 1`` bytes from the leading
     ``1 - test_fraction`` of the corpus; input is the first ``block_size`` bytes, target the last.
@@ -156,7 +157,7 @@ class CharGPT:
     """
 
     def __init__(self, *, n_layer: int = 2, n_head: int = 2, n_embd: int = 64, block_size: int = 64,
-                 corpus_chars: int = 400_000, test_fraction: float = 0.1):
+                 corpus_chars: int = 400_000, test_fraction: float = 0.1, tie_embeddings: bool = True):
         for option, value in [("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
                               ("block_size", block_size), ("corpus_chars", corpus_chars)]:
             if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
@@ -166,7 +167,10 @@ class CharGPT:
         if not (isinstance(test_fraction, (int, float)) and not isinstance(test_fraction, bool)
                 and 0.0 < test_fraction < 1.0):
             raise ValueError(f"workload.options.test_fraction must be a float in (0, 1), got {test_fraction!r}")
+        if not isinstance(tie_embeddings, bool):
+            raise ValueError(f"workload.options.tie_embeddings must be true or false, got {tie_embeddings!r}")
         self.n_layer, self.n_head, self.n_embd, self.block_size = n_layer, n_head, n_embd, block_size
+        self.tie_embeddings = tie_embeddings
 
         corpus = torch.frombuffer(bytearray(load_stdlib_corpus(corpus_chars)), dtype=torch.uint8)
         split = int(len(corpus) * (1.0 - test_fraction))
@@ -185,7 +189,8 @@ class CharGPT:
 
     def build_model(self) -> torch.nn.Module:
         """A fresh GPT, initialised (normal, std 0.02) from the process's torch seed."""
-        return GPT(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size)
+        return GPT(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size,
+                   tie_embeddings=self.tie_embeddings)
 
     def parallelize(self, model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
         """Tensor parallelism (parallel.tp > 1): Megatron's split of every block (workloads/gpt_parallel.py)."""

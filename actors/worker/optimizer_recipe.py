@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from raylastic.jobconfig import OptimConfig
@@ -67,21 +68,26 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """The global L2 norm of the gradients (over every rank's shards under ZeRO-2/3 and tensor parallelism),
-    clipped to ``max_norm`` when it is positive. Call after the gradients are reduced, before the optimizer
-    steps."""
+def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                   across: dist.ProcessGroup | None = None) -> float:
+    """The global L2 norm of the gradients (over every rank's shards under ZeRO-2/3 and tensor parallelism, and
+    over the ranks of ``across``, which hold other parameters: a pipeline's stages), clipped to ``max_norm`` when
+    it is positive. Call after the gradients are reduced, before the optimizer steps."""
     with_grad = [p for p in parameters if p.grad is not None]
-    if not with_grad:
+    if not with_grad and across is None:
         return 0.0
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for parameter in with_grad:  # a DTensor norm reduces over its own mesh: one group per mesh, plain ones apart
         mesh = parameter.grad.device_mesh if isinstance(parameter.grad, DTensor) else None
         by_mesh.setdefault(mesh, []).append(parameter)
-    if len(by_mesh) == 1:
+    if len(by_mesh) == 1 and across is None:
         norm = _norm([p.grad for p in with_grad])
     else:
-        norm = torch.linalg.vector_norm(torch.stack([_norm([p.grad for p in group]) for group in by_mesh.values()]))
+        norms = [_norm([p.grad for p in group]) for group in by_mesh.values()]
+        squared = torch.stack(norms).square().sum() if norms else torch.zeros(())
+        if across is not None:
+            dist.all_reduce(squared, group=across)
+        norm = squared.sqrt()
     if max_norm > 0:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)

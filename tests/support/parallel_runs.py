@@ -11,10 +11,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
+from raylastic.actors.data.batch_split import BatchSplit
 from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.worker.data_place import DataPlace
 from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.model_build import build_rank_model
-from raylastic.actors.worker.optimizer_recipe import optimizer_factory
+from raylastic.actors.worker.optimizer_recipe import clip_gradients, learning_rate, optimizer_factory, set_learning_rate
+from raylastic.actors.worker.pipeline_step import Pipeline
 from raylastic.actors.worker.step import StepRunner
 from raylastic.jobconfig import OptimConfig, ParallelConfig, StrategyConfig
 from raylastic.strategies.base import GroupContext, init_optimizer_state
@@ -32,6 +35,10 @@ GLOBAL_BATCH = 8
 OPTIM = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1, schedule="cosine", warmup_steps=1, min_lr=1e-3,
                     clip_grad_norm=0.5)
 STEPS = 3
+ADAM_TOLERANCE = 1e-4
+"""Adam moves an element by ~lr whatever its gradient's size, so an element whose gradient is near zero moves by
+float noise whose sign follows the summation order (tests/test_zero.py): 1e-4 is 1% of one step's lr (1e-2); a
+wrong split would be off by whole updates."""
 
 
 def setup(layout: ParallelLayout | None, strategy_name: str = "ddp", precision: str = "fp32",
@@ -123,3 +130,51 @@ def tensor_parallel_stages(num_stages: int) -> dict[str, float]:
             "gradients": max((g.full_tensor() - dict(whole.named_parameters())[n].grad).abs().max().item()
                              for n, g in gradients.items()),
             "names": sorted(gradients) == sorted(n for n, _ in whole.named_parameters())}
+
+
+UNTIED = ("chargpt", {**WORKLOAD[1], "n_layer": 2, "tie_embeddings": False})
+"""The built-in GPT with a head of its own (a pipeline puts the head and the embedding on different stages)."""
+
+
+def pipeline_train_and_report(layout: ParallelLayout, strategy_name: str, schedule: str,
+                              microbatches: int) -> dict[str, Any]:
+    """``STEPS`` steps of ``UNTIED`` through a pipeline of ``layout.pp`` stages (each split over its tp group, the
+    strategy over dp); on rank 0: the whole state (gathered over the stages) and every step's loss sum."""
+    workload = load_workload(*UNTIED)
+    parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, pp_schedule=schedule, pp_microbatches=microbatches)
+    strategy = build_strategy(StrategyConfig(name=strategy_name), parallel)
+    mesh = parallel_mesh(torch.device("cpu"), layout)
+    at, rank = layout.coordinates(dist.get_rank()), dist.get_rank()
+
+    def build_model() -> torch.nn.Module:
+        model = split_gpt(workload.build_model(), at.pp, layout.pp)
+        if mesh.tp is not None:
+            workload.parallelize(model, mesh.tp)
+        return model
+
+    torch.manual_seed(0)
+    state = strategy.setup(build_model, optimizer_factory(OPTIM), torch.device("cpu"), None,
+                           GroupContext(node_ids=("node",) * dist.get_world_size(), completed_steps=0, mesh=mesh))
+    dataset = workload.train_dataset()
+    order = GlobalSampleOrder(len(dataset), GLOBAL_BATCH, seed=0)
+    split, data_rank = BatchSplit.even(GLOBAL_BATCH, layout.dp), layout.data_rank(rank)
+    pipeline = Pipeline.build(state.model, stage_index=at.pp, num_stages=layout.pp, group=mesh.pp.get_group(),
+                              device=torch.device("cpu"), schedule=schedule, microbatches=microbatches,
+                              loss=lambda output, target: torch.nn.functional.cross_entropy(
+                                  output.flatten(0, 1).float(), target.flatten()),
+                              weight=layout.dp / GLOBAL_BATCH, seed=0, stream=at.pp * layout.tp + at.tp)
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = dataset[order.split_indices(step, split, data_rank)]
+        set_learning_rate(state.optimizer, learning_rate(step, OPTIM, STEPS))
+        state.optimizer.zero_grad(set_to_none=True)
+        with DataPlace.in_group(layout).loss_context():
+            losses.append(pipeline.step(step, split.bounds(data_rank)[0], inputs, targets).item())
+        clip_gradients(state.model.parameters(), OPTIM.clip_grad_norm, across=mesh.pp.get_group())
+        state.optimizer.step()
+    stage_state = whole_state(strategy, state)
+    stages = [None] * layout.pp
+    dist.all_gather_object(stages, (stage_state, losses), group=mesh.pp.get_group())
+    if rank != 0:
+        return {}
+    return {"state": {k: v for stage, _ in stages for k, v in stage.items()}, "losses": stages[-1][1]}
