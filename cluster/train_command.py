@@ -30,7 +30,7 @@ def load_job_or_report(args: argparse.Namespace, console: Console):
 
     try:
         job = job_from_arguments(args, *(["training.profile_steps=5"] if args.profile else []))
-        check_workload(job.workload.name, job.parallel.tp)
+        check_workload(job.workload.name, job.parallel.tp, job.parallel.pp)
         return job
     except ValueError as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)

@@ -79,32 +79,45 @@ class JobConfig:
                     f"at most training.steps ({self.training.steps})", fault.step)
 
     def _check_model_parallel(self) -> None:
-        """What tensor parallelism composes with (each refusal names the field and why)."""
-        parallel, strategy, scaling = self.parallel, self.strategy, self.scaling
-        require(parallel.pp == 1, "parallel.pp", "1: pipeline parallelism is not available yet", parallel.pp)
+        """What tensor and pipeline parallelism compose with (each refusal names the field and why)."""
+        parallel, strategy, scaling, training = self.parallel, self.strategy, self.scaling, self.training
+        when = "with parallel.tp or parallel.pp > 1"
+        require(parallel.pp_schedule in ("gpipe", "1f1b"), "parallel.pp_schedule",
+                "gpipe or 1f1b: interleaved_1f1b and zbv are not available yet", parallel.pp_schedule)
         require(strategy.name in MODEL_PARALLEL_STRATEGIES, "strategy.name",
-                f"{', '.join(MODEL_PARALLEL_STRATEGIES)} with parallel.tp > 1 (diloco and async_ps step each "
-                "worker's whole model; zero1 wraps the model in torch DDP, which takes no tensor-parallel "
-                "parameters)", strategy.name)
+                f"{', '.join(MODEL_PARALLEL_STRATEGIES)} {when} (diloco and async_ps step each worker's whole "
+                "model; zero1 wraps the model in torch DDP, which takes no split parameters)", strategy.name)
         for name, value in (("compression", strategy.compression != "none"), ("hierarchical", strategy.hierarchical),
                             ("comm_timing", strategy.comm_timing)):
-            require(not value, f"strategy.{name}", "left at its default with parallel.tp > 1 (it is a hook of "
-                    "torch DDP; under tensor parallelism FSDP2 reduces the gradients)", getattr(strategy, name))
-        require(not self.training.compile, "training.compile", "false with parallel.tp > 1 (not supported yet)",
-                self.training.compile)
-        require(self.training.precision != "fp16", "training.precision", "fp32 or bf16 with parallel.tp > 1 (fp16's "
-                "loss scaler checks whole gradients)", self.training.precision)
+            require(not value, f"strategy.{name}", f"left at its default {when} (it is a hook of torch DDP; "
+                    "under model parallelism FSDP2 reduces the gradients)", getattr(strategy, name))
+        require(not training.compile, "training.compile", f"false {when} (not supported yet)", training.compile)
+        require(training.precision != "fp16", "training.precision", f"fp32 or bf16 {when} (fp16's loss scaler "
+                "checks whole gradients)", training.precision)
         unit = parallel.model_parallel
         require(scaling.max_workers % unit == 0, "scaling.max_workers",
-                f"a multiple of parallel.tp ({unit}): the ranks of a layer split are workers", scaling.max_workers)
+                f"a multiple of parallel.tp x parallel.pp ({unit}): every copy of the model takes that many "
+                "workers", scaling.max_workers)
         require(scaling.min_workers % unit == 0 or unit % scaling.min_workers == 0, "scaling.min_workers",
-                f"a multiple or a divisor of parallel.tp ({unit}): with fewer workers than parallel.tp the layers "
-                "split over a divisor of it", scaling.min_workers)
-        batch, data_parallel = self.training.global_batch_size, scaling.max_workers // unit
+                f"a multiple or a divisor of parallel.tp x parallel.pp ({unit}): with fewer workers the model "
+                "splits over a divisor of it", scaling.min_workers)
+        batch, data_parallel = training.global_batch_size, scaling.max_workers // unit
         if batch < data_parallel:
             raise ValueError(f"training.global_batch_size ({batch}) cannot be split across the {data_parallel} "
-                             f"data-parallel ranks of scaling.max_workers ({scaling.max_workers}) / parallel.tp "
-                             f"({unit}): every data-parallel rank needs at least one sample per step")
+                             f"data-parallel ranks of scaling.max_workers ({scaling.max_workers}) / parallel.tp x "
+                             f"parallel.pp ({unit}): every data-parallel rank needs at least one sample per step")
+        if parallel.pp > 1:
+            require(training.micro_batch_size is None, "training.micro_batch_size",
+                    "null with parallel.pp > 1 (a pipeline's micro-batches are parallel.pp_microbatches)",
+                    training.micro_batch_size)
+            require(self.eval.every_steps == 0, "eval.every_steps",
+                    "0 with parallel.pp > 1 (evaluation through a pipeline is not available yet)",
+                    self.eval.every_steps)
+            share = data_parallel * parallel.microbatches
+            require(batch % share == 0, "training.global_batch_size",
+                    f"a multiple of {share} with parallel.pp > 1: each of the {data_parallel} data-parallel ranks "
+                    f"cuts its share into parallel.pp_microbatches ({parallel.microbatches}) equal micro-batches",
+                    batch)
 
     @property
     def balances_shares(self) -> bool:

@@ -1,8 +1,7 @@
-"""A step through a pipeline of the built-in GPT's stages (actors/worker/pipeline_step.py), on gloo, against one
-process on the same batches: 2 stages under 1f1b and GPipe, with FSDP over the data-parallel ranks and tensor
-parallelism inside each stage, end with the parameters (AdamW, clipping over every stage, a cosine schedule) and
-the losses of the whole model. The workers do not use it yet: ``parallel.pp`` is refused until the step loop,
-evaluation and the final model's gather run through it.
+"""Pipeline parallelism (parallel.pp) on gloo, against one process on the same batches: the built-in GPT's stages
+through StepRunner's pipelined step (actors/worker/pipeline_step.py), 2 stages under 1f1b and GPipe, with FSDP
+over the data-parallel ranks and tensor parallelism inside each stage, end with the parameters (AdamW, clipping
+over every stage, a cosine schedule), the reported losses, samples and sample ids of the whole model.
 
     python -m pytest tests/test_pipeline_parallel.py -q
 """
@@ -11,10 +10,13 @@ from __future__ import annotations
 
 import pytest
 
+from raylastic.cluster.job import train
 from raylastic.strategies.parallel_layout import ParallelLayout
+from raylastic.workloads import load_workload
 from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import assert_states_close
+from tests.support.helpers import applied_samples, assert_states_close, job, load_model
 from tests.support.parallel_runs import ADAM_TOLERANCE, UNTIED, pipeline_train_and_report, train_and_report
+from tests.support.strategy_runs import undisturbed_run
 
 
 @pytest.fixture(scope="module")
@@ -32,5 +34,48 @@ def test_a_pipelined_step_trains_as_one_process(reference, layout, strategy, sch
     got = run_distributed(pipeline_train_and_report, layout.world_size, layout, strategy, schedule, microbatches,
                           timeout_s=240)[0]
     assert_states_close(got["state"], reference["state"], rtol=1e-4, atol=ADAM_TOLERANCE)
-    if layout.dp == 1:  # rank 0 reports its data-parallel share's loss
-        assert got["losses"] == pytest.approx([loss for loss, _, _ in reference["reported"][0]], rel=1e-5)
+    (one_rank,) = reference["reported"]
+    for rank, reports in enumerate(got["reported"]):  # the last stage's tp-rank 0 of each dp rank reports
+        assert all((samples > 0) == layout.reports(rank) for _, samples, _ in reports), (rank, reports)
+    for step, (loss, samples, ids) in enumerate(one_rank):
+        reports = [rank[step] for rank in got["reported"]]
+        assert sum(s for _, s, _ in reports) == samples and all(i == ids for _, _, i in reports)
+        assert sum(r_loss for r_loss, _, _ in reports) == pytest.approx(loss, rel=1e-5)
+
+
+PP_OPTIONS = ("workload.options={n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, corpus_chars: 30000, "
+              "tie_embeddings: false}")
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_pp2_run_ends_with_the_whole_models_parameters_gathered_from_its_stages(tmp_path):
+    calm = job("workload.name=chargpt", PP_OPTIONS, "parallel.pp=2", "parallel.pp_schedule=gpipe",
+               "strategy.name=ddp", "training.steps=4", "training.global_batch_size=8", "scaling.cpus_per_worker=0.5",
+               name="pp-calm")
+    result = train(calm, run_dir=tmp_path / "run")
+    assert [row["layout"] for row in result.history] == ["pp2"] * 4
+    _, parameters = undisturbed_run(calm, len(load_workload(calm.workload.name, calm.workload.options)
+                                              .train_dataset()))
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)  # model.pt, whole
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_pp2_run_that_loses_a_worker_goes_on_at_the_survivors_layout_from_its_checkpoint(tmp_path):
+    """Two stages on 2 workers, one killed at step 7 (after the step-4 checkpoint): the survivor trains the whole
+    model from that checkpoint, a replacement brings the pipeline back (saved first, nothing lost), and the run
+    ends with an undisturbed run's parameters and every step applied once."""
+    steps = 8
+    disturbed = job("workload.name=chargpt", PP_OPTIONS, "parallel.pp=2", "strategy.name=zero3",
+                    "scaling.min_workers=1", "scaling.max_workers=2", f"training.steps={steps}", "training.global_batch_size=8",
+                    "training.record_samples=true", "checkpoint.every_steps=4", "scaling.cpus_per_worker=0.5",
+                    "faults=[{action: kill, rank: 1, step: 7}]", name="pp-kill")
+    result = train(disturbed, run_dir=tmp_path / "run")
+    formed = [e for e in result.events if e.type == "generation_formed"]
+    assert [(e.details["layout"], e.details["state_source"], e.step) for e in formed[:2]] == [
+        ("pp2", "initialisation", 0), ("dp1", "checkpoint", 4)], formed
+    for grown in formed[2:]:  # the replacement, if it came in time: saved first, nothing lost
+        assert (grown.details["layout"], grown.details["steps_lost"]) == ("pp2", 0), formed
+    num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
+    samples, parameters = undisturbed_run(disturbed, num_samples)
+    assert applied_samples(result.ledger, steps, num_samples) == samples
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)

@@ -59,6 +59,20 @@ def test_a_closed_generation_shows_what_the_survivors_reported():
     assert partial["loss"] == pytest.approx(0.5) and partial["samples"] == 4
 
 
+def test_a_step_heard_only_from_ranks_that_report_no_samples_gets_its_row_from_the_redo():
+    """Model parallelism: the last pipeline stage reports a step's loss and samples, the others 0. A generation
+    that lost its last stage closes with step 2 heard only from the first: no row (no loss to show), and the
+    next generation's redo of step 2 makes it."""
+    log = RunLog()
+    _report(log, 1, rank=0, loss_sum=0.0, samples=0)
+    _report(log, 1, rank=1, loss_sum=4.0, samples=4)
+    _report(log, 2, rank=0, loss_sum=0.0, samples=0)
+    log.close_generation(0)
+    assert [row["step"] for row in log.history()] == [1]
+    row = _report(log, 2, rank=0, generation=1, world_size=1, loss_sum=3.0, samples=4)
+    assert log.history() == [log.history()[0], row] and row["loss"] == pytest.approx(0.75)
+
+
 def test_a_step_redone_in_a_later_generation_replaces_the_discarded_attempt():
     log = RunLog()
     _report(log, 1, rank=0, loss_sum=1.0, samples=4)

@@ -102,17 +102,26 @@ def test_a_checkpoint_saved_at_dp2_tp2_loads_exactly_at_tp2_and_at_dp4_and_expor
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["parallel.tp=2", "strategy.name=zero1"], "strategy.name must be ddp, zero2, zero3 with parallel.tp > 1"),
+    (["parallel.tp=2", "strategy.name=zero1"],
+     "strategy.name must be ddp, zero2, zero3 with parallel.tp or parallel.pp > 1"),
     (["parallel.tp=2", "strategy.name=diloco"], "strategy.name must be ddp, zero2, zero3"),
     (["parallel.tp=2", "strategy.compression=bf16"], "strategy.compression must be left at its default"),
     (["parallel.tp=2", "strategy.hierarchical=true"], "strategy.hierarchical must be left at its default"),
-    (["parallel.tp=2", "training.compile=true"], "training.compile must be false with parallel.tp > 1"),
-    (["parallel.tp=2", "scaling.max_workers=3"], "scaling.max_workers must be a multiple of parallel.tp (2)"),
+    (["parallel.tp=2", "training.compile=true"], "training.compile must be false with parallel.tp or parallel.pp"),
+    (["parallel.tp=2", "scaling.max_workers=3"],
+     "scaling.max_workers must be a multiple of parallel.tp x parallel.pp (2)"),
     (["parallel.tp=4", "scaling.max_workers=8", "scaling.min_workers=3"],
-     "scaling.min_workers must be a multiple or a divisor of parallel.tp (4)"),
+     "scaling.min_workers must be a multiple or a divisor of parallel.tp x parallel.pp (4)"),
     (["parallel.tp=2", "scaling.max_workers=8", "training.global_batch_size=3"],
      "cannot be split across the 4 data-parallel ranks"),
-    (["parallel.pp=2", "scaling.max_workers=2"], "parallel.pp must be 1: pipeline parallelism is not available yet"),
+    (["parallel.pp=2", "scaling.max_workers=2", "parallel.pp_schedule=zbv"],
+     "parallel.pp_schedule must be gpipe or 1f1b: interleaved_1f1b and zbv are not available yet"),
+    (["parallel.pp=2", "scaling.max_workers=2", "training.micro_batch_size=4"],
+     "training.micro_batch_size must be null with parallel.pp > 1"),
+    (["parallel.pp=2", "scaling.max_workers=2", "eval.every_steps=10"],
+     "eval.every_steps must be 0 with parallel.pp > 1"),
+    (["parallel.pp=2", "scaling.max_workers=4", "training.global_batch_size=6"],
+     "training.global_batch_size must be a multiple of 4 with parallel.pp > 1"),
     (["parallel.tp=0"], "parallel.tp must be a positive integer"),
 ])
 def test_a_layout_that_cannot_work_is_refused_naming_the_field(overrides, message):
@@ -120,10 +129,13 @@ def test_a_layout_that_cannot_work_is_refused_naming_the_field(overrides, messag
         job(*overrides)
 
 
-def test_a_workload_without_parallelize_and_a_gpt_that_does_not_divide_are_refused():
-    with pytest.raises(ValueError, match=r"parallel.tp=2 needs the workload to split its model: .*Digits"):
+def test_a_workload_without_parallelize_or_pipeline_stages_and_a_gpt_that_does_not_divide_are_refused():
+    with pytest.raises(ValueError, match=r"parallel.tp=2, parallel.pp=1 needs the workload to split its model: "
+                                         r".*Digits.* no parallelize\(model, tp_mesh\)"):
         check_workload("digits", tp=2)
-    check_workload("chargpt", tp=2)
+    with pytest.raises(ValueError, match=r"no pipeline_split\(model, stage, num_stages\) and no pipeline_loss"):
+        check_workload("digits", pp=2)
+    check_workload("chargpt", tp=2, pp=2)
     model = GPT(n_layer=1, n_head=3, n_embd=12, block_size=8)
     assert "parallel.tp=2 must divide the GPT's workload.options.n_head (3)" in tensor_parallel_rule(model, 2)
     assert tensor_parallel_rule(model, 1) is None

@@ -46,13 +46,17 @@ def resolve_workload_class(name: str) -> type:
     return cls
 
 
-def check_workload(name: str, tp: int = 1) -> None:
+def check_workload(name: str, tp: int = 1, pp: int = 1) -> None:
     """What can be checked of workload ``name`` without building it: its class resolves (``resolve_workload_class``)
-    and, for tensor parallelism (``tp`` > 1), has a ``parallelize(model, tp_mesh)``."""
+    and has the methods that tensor (``tp`` > 1) and pipeline (``pp`` > 1) parallelism need."""
     cls = resolve_workload_class(name)
-    if tp > 1 and not hasattr(cls, "parallelize"):
-        raise ValueError(f"parallel.tp={tp} needs the workload to split its model: workload.name={name!r} "
-                         f"({cls.__name__}) has no parallelize(model, tp_mesh) method (see workloads/protocol.py)")
+    needed = {"parallelize(model, tp_mesh)": tp > 1, "pipeline_split(model, stage, num_stages)": pp > 1,
+              "pipeline_loss(output, target)": pp > 1}
+    missing = [method for method, wanted in needed.items() if wanted and not hasattr(cls, method.split("(")[0])]
+    if missing:
+        raise ValueError(f"parallel.tp={tp}, parallel.pp={pp} needs the workload to split its model: "
+                         f"workload.name={name!r} ({cls.__name__}) has no {' and no '.join(missing)} "
+                         "(see workloads/protocol.py)")
 
 
 def load_workload(name: str, options: dict | None = None) -> Workload:

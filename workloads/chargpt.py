@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import TensorDataset
 
 from raylastic.workloads.gpt_parallel import parallelize_gpt
+from raylastic.workloads.gpt_pipeline import split_gpt
 
 VOCAB_SIZE = 256  # one token per byte
 EVAL_WINDOWS = 64  # held-out windows scored by ``evaluate``
@@ -196,6 +197,14 @@ class CharGPT:
         """Tensor parallelism (parallel.tp > 1): Megatron's split of every block (workloads/gpt_parallel.py)."""
         parallelize_gpt(model, tp_mesh)
 
+    def pipeline_split(self, model: torch.nn.Module, stage: int, num_stages: int) -> torch.nn.Module:
+        """Pipeline parallelism (parallel.pp > 1): ``model`` cut down to ``stage`` (workloads/gpt_pipeline.py)."""
+        return split_gpt(model, stage, num_stages)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits against the batch's targets: ``training_step``'s loss."""
+        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+
     def train_dataset(self) -> TensorDataset:
         """Inputs and next-byte targets, both ``int64[N, block_size]``."""
         return TensorDataset(self._inputs, self._targets)
@@ -203,7 +212,7 @@ class CharGPT:
     def training_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Mean next-byte cross-entropy over the batch's tokens (every sample has block_size of them)."""
         inputs, targets = batch
-        return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+        return self.pipeline_loss(model(inputs), targets)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Mean per-token ``eval_loss`` on up to 64 held-out windows, and ``bits_per_byte``."""

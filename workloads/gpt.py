@@ -26,6 +26,7 @@ from torch.utils.data import Subset
 
 from raylastic.workloads.chargpt import GPT
 from raylastic.workloads.gpt_parallel import parallelize_gpt
+from raylastic.workloads.gpt_pipeline import split_gpt
 from raylastic.workloads.token_checks import DTYPES, TokenFileError
 from raylastic.workloads.tokens import TokenBlocks, stacked
 
@@ -41,6 +42,7 @@ class TokenGPT:
         dropout: dropout probability in [0, 1) (embeddings, attention, residual branches).
         weight_decay: AdamW weight decay (>= 0) of the 2-D and larger parameters.
         eval_blocks: at most this many leading val.bin windows are scored by the distributed evaluation.
+        tie_embeddings: the lm head is the token embedding (default), or a matrix of its own (pipeline stages).
 
     Samples are non-overlapping ``block_size`` windows of train.bin with their next-token targets.
     The defaults (4 layers, 4 heads, width 256, context 256) give 3.3 M parameters with bytes.
@@ -53,7 +55,8 @@ class TokenGPT:
     """
 
     def __init__(self, *, data_dir: str | None = None, n_layer: int = 4, n_head: int = 4, n_embd: int = 256,
-                 block_size: int = 256, dropout: float = 0.1, weight_decay: float = 0.1, eval_blocks: int = 256):
+                 block_size: int = 256, dropout: float = 0.1, weight_decay: float = 0.1, eval_blocks: int = 256,
+                 tie_embeddings: bool = True):
         for option, value in [("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
                               ("block_size", block_size), ("eval_blocks", eval_blocks)]:
             _require(_is_int(value) and value > 0, option, "a positive int", value)
@@ -61,7 +64,9 @@ class TokenGPT:
         _require(_is_number(dropout) and 0.0 <= dropout < 1.0, "dropout", "a float in [0, 1)", dropout)
         _require(_is_number(weight_decay) and weight_decay >= 0.0, "weight_decay", "a float >= 0", weight_decay)
         self.n_layer, self.n_head, self.n_embd, self.block_size = n_layer, n_head, n_embd, block_size
+        _require(isinstance(tie_embeddings, bool), "tie_embeddings", "true or false", tie_embeddings)
         self.dropout, self.weight_decay, self.eval_blocks = float(dropout), float(weight_decay), eval_blocks
+        self.tie_embeddings = tie_embeddings
         self.data_dir = _token_dir(data_dir)
         self.meta = _read_meta(self.data_dir)
         self.vocab_size = self.meta["vocab_size"]
@@ -71,11 +76,19 @@ class TokenGPT:
     def build_model(self) -> torch.nn.Module:
         """A fresh GPT, initialised (normal, std 0.02) from the process's torch seed."""
         return GPT(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size,
-                   vocab_size=self.vocab_size, dropout=self.dropout)
+                   vocab_size=self.vocab_size, dropout=self.dropout, tie_embeddings=self.tie_embeddings)
 
     def parallelize(self, model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
         """Tensor parallelism (parallel.tp > 1): Megatron's split of every block (workloads/gpt_parallel.py)."""
         parallelize_gpt(model, tp_mesh)
+
+    def pipeline_split(self, model: torch.nn.Module, stage: int, num_stages: int) -> torch.nn.Module:
+        """Pipeline parallelism (parallel.pp > 1): ``model`` cut down to ``stage`` (workloads/gpt_pipeline.py)."""
+        return split_gpt(model, stage, num_stages)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits against the batch's targets: ``training_step``'s loss."""
+        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
 
     def train_dataset(self) -> TokenBlocks:
         """train.bin's windows: inputs and next-token targets, both ``int64[block_size]``."""
@@ -88,7 +101,7 @@ class TokenGPT:
     def training_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Mean next-token cross-entropy over the batch's tokens (every sample has block_size of them)."""
         inputs, targets = batch
-        return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+        return self.pipeline_loss(model(inputs), targets)
 
     def configure_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """AdamW with ``weight_decay`` on parameters of 2+ dimensions and none on biases and LayerNorms."""

@@ -136,11 +136,18 @@ class RunLog:
                              compute_s=result.compute_s, lr=result.lr, grad_norm=round(result.grad_norm, 6), **timings)
 
     def close_generation(self, generation: int) -> None:
-        """The generation ended: its steps that some rank never reported get rows of what came in."""
+        """The generation ended: its steps that some rank never reported get rows of what came in. A step heard
+        only from ranks that report no samples (under model parallelism, one rank per copy of the model reports
+        its share, and that one was lost) has no loss to show: it gets no row, and the step's redo makes one."""
         with self._lock:
-            for step, reports in self._steps.items():
-                if reports.generation == generation and reports.row is None:
+            for step, reports in list(self._steps.items()):
+                if reports.generation != generation or reports.row is not None:
+                    continue
+                if any(report.samples for report in reports.by_rank.values()):
                     reports.row = self._row(step, reports)
+                else:
+                    del self._steps[step]
+                    self._history_order.remove(step)
 
     def _row(self, step: int, reports: _StepReports) -> dict[str, Any]:
         """The history row: loss and samples summed over the ranks heard (all of them, unless one died

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 
@@ -29,6 +30,8 @@ from raylastic.actors.data.batches import fetch_batch, loader_inputs, to_device
 from raylastic.actors.worker.data_place import DataPlace
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.workloads.protocol import Workload
+
+logger = logging.getLogger(__name__)
 
 
 class Evaluator:
@@ -43,6 +46,10 @@ class Evaluator:
 
     def run(self, model: torch.nn.Module) -> dict[str, float]:
         """The workload's ``evaluate(model)`` and the distributed ``eval_step`` metrics, in eval mode."""
+        if self.layout is not None and self.layout.pp > 1:  # JobConfig refuses eval.every_steps with parallel.pp
+            logger.warning("no evaluation at the end of the run: evaluation through a pipeline (parallel.pp > 1) "
+                           "is not available yet")
+            return {}
         was_training = model.training
         model.eval()
         place = DataPlace.in_group(self.layout) if dist.is_initialized() else DataPlace(rank=0, ranks=1)

@@ -2,8 +2,7 @@
 ``backward_over_micro_batches``: each micro-batch's mean loss weighted by its samples x dp / B, so the gradient,
 once the data-parallel ranks have averaged it, is the mean over the global batch; each micro-batch seeded from
 the step and its position in the global batch before every stage runs it (dropout masks follow the data order,
-one stream per stage and tp rank). Not yet used by the workers: pipeline parallelism (``parallel.pp``) is refused
-until the step loop, evaluation and the final model's gather run through it.
+one stream per stage and tp rank). ``StepRunner`` runs it under ``parallel.pp``.
 
 Example (every rank of a pipeline, once its stage is built and wrapped)::
 
@@ -25,6 +24,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 from raylastic.actors.worker.step import seed_rng, step_seed
+from raylastic.jobconfig import ParallelConfig
+from raylastic.strategies.parallel_mesh import ParallelMesh
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 """parallel.pp_schedule -> torch's schedule class (the one-stage-per-rank ones)."""
@@ -76,6 +77,24 @@ class Pipeline:
         runner = SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=weighted_loss, scale_grads=False)
         holder["pipeline"] = pipeline = cls(stage, runner, microbatches, seed, stream, weight)
         return pipeline
+
+    @classmethod
+    def for_generation(cls, model: torch.nn.Module, mesh: ParallelMesh | None, parallel: ParallelConfig, *,
+                       device: torch.device, loss: Callable[[Any, Any], torch.Tensor], global_batch_size: int,
+                       seed: int) -> Pipeline | None:
+        """This rank's stage of a generation laid out on ``mesh``, around its (set up) ``model``; None without
+        pipeline parallelism."""
+        if mesh is None or mesh.pp is None:
+            return None
+        layout, at = mesh.layout, mesh.layout.coordinates(dist.get_rank())
+        return cls.build(model, stage_index=at.pp, num_stages=layout.pp, group=mesh.pp.get_group(), device=device,
+                         schedule=parallel.pp_schedule, microbatches=parallel.microbatches, loss=loss,
+                         weight=layout.dp / global_batch_size, seed=seed, stream=at.pp * layout.tp + at.tp)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The pipeline's ranks: this rank's stage and the others that hold the same samples' other layers."""
+        return self.stage.group
 
     def step(self, step_index: int, position: int, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of this rank's share of step ``step_index`` (``position``: where it starts in the

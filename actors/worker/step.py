@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from raylastic.jobconfig import DataConfig, OptimConfig
 from raylastic.strategies.base import Strategy, TrainState
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.workloads.protocol import Workload
+
+if TYPE_CHECKING:
+    from raylastic.actors.worker.pipeline_step import Pipeline
 
 
 class NonFiniteStep(RuntimeError):
@@ -82,8 +85,10 @@ class StepRunner:
     clock: ComputeClock | None = None
     """Measures each step's compute time (None: the step's duration stands for it)."""
     layout: ParallelLayout | None = None
-    """The current group's model-parallel layout (parallel.tp > 1; ``split`` is then not used); None: every rank
-    is a data-parallel rank."""
+    """The current group's model-parallel layout (parallel.tp or pp > 1; ``split`` is then not used); None: every
+    rank is a data-parallel rank."""
+    pipeline: Pipeline | None = None
+    """The current group's pipeline (parallel.pp > 1): each step's forward and backward run through its schedule."""
 
     def place(self) -> DataPlace:
         return DataPlace.in_group(self.layout)
@@ -127,17 +132,22 @@ class StepRunner:
         set_learning_rate(state.optimizer, lr)
         state.optimizer.zero_grad(set_to_none=True)
         with place.loss_context():
-            loss_sum = backward_over_micro_batches(
-                self.workload, state.wrapped, batches, indices, micro_batch_count(split, self.micro_batch_size),
-                device=self.device, seed=self.seed, step_index=step_index, position=split.bounds(place.rank)[0],
-                weight=weight, autocast=self.autocast, no_sync=lambda: self.strategy.no_sync(state),
-                scale=self.scaler.scale if self.scaler else None, before_last=before_reduction, stream=place.stream)
+            if self.pipeline is None:
+                loss_sum = backward_over_micro_batches(
+                    self.workload, state.wrapped, batches, indices, micro_batch_count(split, self.micro_batch_size),
+                    device=self.device, seed=self.seed, step_index=step_index, position=split.bounds(place.rank)[0],
+                    weight=weight, autocast=self.autocast, no_sync=lambda: self.strategy.no_sync(state),
+                    scale=self.scaler.scale if self.scaler else None, before_last=before_reduction,
+                    stream=place.stream)
+            else:
+                loss_sum = self._pipelined(step_index, batches, split.bounds(place.rank)[0], before_reduction)
         backward_returned = time.perf_counter()
         compute_s = self.clock.compute_s(backward_returned - started) if self.clock else backward_returned - started
         consumed = self._gather_sample_ids(indices, split, place) if self.record_samples else None
         if self.scaler is not None:
             self.scaler.unscale_(state.optimizer)  # the norm and the clipping see the true gradients
-        grad_norm = clip_gradients(state.model.parameters(), self.optim.clip_grad_norm)
+        grad_norm = clip_gradients(state.model.parameters(), self.optim.clip_grad_norm,
+                                   across=self.pipeline.group if self.pipeline is not None else None)
         loss_value = loss_sum.item()
         self._check_finite(step_index + 1, loss_value, grad_norm, rank)
         if math.isfinite(grad_norm) or self.scaler is not None:
@@ -162,6 +172,18 @@ class StepRunner:
         for hook in hooks:
             result = hook.after_step(result)
         return result
+
+    def _pipelined(self, step_index: int, batches: Iterator[Any], position: int,
+                   before_reduction: Callable[[], None] | None) -> torch.Tensor:
+        """This rank's stage of the step's forward and backward (its share is one batch of (inputs, targets)); the
+        share's summed loss on every stage of the pipeline, for the non-finite check and the report."""
+        inputs, targets = to_device(next(batches), self.device)
+        if before_reduction is not None:
+            before_reduction()
+        with self.autocast():
+            loss_sum = self.pipeline.step(step_index, position, inputs, targets).to(self.device)
+        dist.all_reduce(loss_sum, group=self.pipeline.group)  # only the last stage computed it
+        return loss_sum
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast_for(self.precision, self.device)

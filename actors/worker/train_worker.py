@@ -46,6 +46,7 @@ from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.mailbox import StatusMailbox
 from raylastic.actors.worker.model_build import build_rank_model
 from raylastic.actors.worker.optimizer_recipe import optimizer_factory
+from raylastic.actors.worker.pipeline_step import Pipeline
 from raylastic.actors.worker.saver import AsyncSaver
 from raylastic.actors.worker.step import StepRunner
 from raylastic.actors.worker.training_loop import BalanceSettings, TrainingLoop
@@ -159,6 +160,10 @@ class TrainWorker:
         if previous is None:
             torch.manual_seed(self.spec.training.seed)  # identical initialisation on every rank
         self.state = self.strategy.setup(self._build_model, self.build_optimizer, self.device, previous, context)
+        self.runner.pipeline = Pipeline.for_generation(
+            self.state.model, self._mesh, self.spec.parallel, device=self.device,
+            loss=getattr(self.workload, "pipeline_loss", None), global_batch_size=self.spec.training.global_batch_size,
+            seed=self.spec.training.seed)
         if self.spec.training.compile:
             self.state.wrapped = torch.compile(self.state.wrapped)
         self.runner.clock.attach(self.state.model)
@@ -193,7 +198,7 @@ class TrainWorker:
         previous = self.state.kept_across_groups() if keep else None
         if self.strategy.replicated and not self._state_intact:  # rebuilt from the seed below: a valid step-0 state
             self.status.step, self._state_intact = 0, True
-        self.state, self.checkpoint_group, self._mesh = None, None, None
+        self.state, self.checkpoint_group, self._mesh, self.runner.pipeline = None, None, None, None
         gc.collect()  # the old DDP's reducer, its autograd hooks and its hold on the old group must be gone
         return previous
 
@@ -296,12 +301,18 @@ class TrainWorker:
 
     def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
         """Collective for sharded strategies: the model's full state on CPU, as a plain state dict. Every rank
-        takes part in gathering the shards; only one (``keep``) returns the copy, so the Controller receives one."""
+        takes part in gathering the shards; only one (``keep``) returns the copy, so the Controller receives one.
+        Under pipeline parallelism each stage's is gathered, then the stages' parts go to that one."""
+        staged = self.runner.pipeline is not None
         full = {}
         for name, tensor in self.state.model.state_dict().items():
             tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if keep:
+            if keep or staged:
                 full[name] = tensor.detach().cpu().clone()
+        if staged:
+            stages: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(self.runner.pipeline.group)
+            dist.all_gather_object(stages, full, group=self.runner.pipeline.group)
+            full = {name: tensor for stage in stages for name, tensor in stage.items()}
         return full if keep else None
 
     def full_model_file(self, keep: bool = True) -> bytes | None:

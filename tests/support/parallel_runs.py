@@ -11,12 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from raylastic.actors.data.batch_split import BatchSplit
 from raylastic.actors.data.order import GlobalSampleOrder
-from raylastic.actors.worker.data_place import DataPlace
 from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.model_build import build_rank_model
-from raylastic.actors.worker.optimizer_recipe import clip_gradients, learning_rate, optimizer_factory, set_learning_rate
+from raylastic.actors.worker.optimizer_recipe import optimizer_factory
 from raylastic.actors.worker.pipeline_step import Pipeline
 from raylastic.actors.worker.step import StepRunner
 from raylastic.jobconfig import OptimConfig, ParallelConfig, StrategyConfig
@@ -42,11 +40,15 @@ wrong split would be off by whole updates."""
 
 
 def setup(layout: ParallelLayout | None, strategy_name: str = "ddp", precision: str = "fp32",
-          workload_spec: tuple[str, dict] = WORKLOAD, activation_checkpointing: str = "none"):
+          workload_spec: tuple[str, dict] = WORKLOAD, activation_checkpointing: str = "none",
+          schedule: str = "1f1b", microbatches: int | None = None):
     """The strategy, state and step runner of one rank of a generation laid out as ``layout`` (None: no model
-    parallelism), training ``workload_spec`` (name, options), as TrainWorker.join sets them up."""
+    parallelism; a pipeline by ``schedule`` in ``microbatches`` under pp), training ``workload_spec`` (name,
+    options), as TrainWorker.join sets them up."""
     workload = load_workload(*workload_spec)
-    parallel = ParallelConfig(tp=layout.tp) if layout is not None else ParallelConfig()
+    parallel = (ParallelConfig(tp=layout.tp, pp=layout.pp, **({"pp_schedule": schedule, "pp_microbatches": microbatches}
+                                                               if layout.pp > 1 else {}))
+                if layout is not None else ParallelConfig())
     strategy = build_strategy(StrategyConfig(name=strategy_name), parallel)
     mesh = parallel_mesh(torch.device("cpu"), layout) if layout is not None else None
 
@@ -60,8 +62,12 @@ def setup(layout: ParallelLayout | None, strategy_name: str = "ddp", precision: 
                            GroupContext(node_ids=("node",) * dist.get_world_size(), completed_steps=0, mesh=mesh))
     dataset = workload.train_dataset()
     runner = StepRunner(workload=workload, dataset=dataset, strategy=strategy, optim=OPTIM, total_steps=STEPS,
-                        order=GlobalSampleOrder(len(dataset), GLOBAL_BATCH, seed=0), micro_batch_size=2,
-                        device=torch.device("cpu"), precision=precision, layout=layout, record_samples=True)
+                        order=GlobalSampleOrder(len(dataset), GLOBAL_BATCH, seed=0),
+                        micro_batch_size=None if layout is not None and layout.pp > 1 else 2,
+                        device=torch.device("cpu"), precision=precision, layout=layout, record_samples=True,
+                        pipeline=Pipeline.for_generation(state.model, mesh, parallel, device=torch.device("cpu"),
+                                                         loss=getattr(workload, "pipeline_loss", None),
+                                                         global_batch_size=GLOBAL_BATCH, seed=0))
     return workload, strategy, state, runner
 
 
@@ -139,42 +145,14 @@ UNTIED = ("chargpt", {**WORKLOAD[1], "n_layer": 2, "tie_embeddings": False})
 def pipeline_train_and_report(layout: ParallelLayout, strategy_name: str, schedule: str,
                               microbatches: int) -> dict[str, Any]:
     """``STEPS`` steps of ``UNTIED`` through a pipeline of ``layout.pp`` stages (each split over its tp group, the
-    strategy over dp); on rank 0: the whole state (gathered over the stages) and every step's loss sum."""
-    workload = load_workload(*UNTIED)
-    parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, pp_schedule=schedule, pp_microbatches=microbatches)
-    strategy = build_strategy(StrategyConfig(name=strategy_name), parallel)
-    mesh = parallel_mesh(torch.device("cpu"), layout)
-    at, rank = layout.coordinates(dist.get_rank()), dist.get_rank()
-
-    def build_model() -> torch.nn.Module:
-        model = split_gpt(workload.build_model(), at.pp, layout.pp)
-        if mesh.tp is not None:
-            workload.parallelize(model, mesh.tp)
-        return model
-
-    torch.manual_seed(0)
-    state = strategy.setup(build_model, optimizer_factory(OPTIM), torch.device("cpu"), None,
-                           GroupContext(node_ids=("node",) * dist.get_world_size(), completed_steps=0, mesh=mesh))
-    dataset = workload.train_dataset()
-    order = GlobalSampleOrder(len(dataset), GLOBAL_BATCH, seed=0)
-    split, data_rank = BatchSplit.even(GLOBAL_BATCH, layout.dp), layout.data_rank(rank)
-    pipeline = Pipeline.build(state.model, stage_index=at.pp, num_stages=layout.pp, group=mesh.pp.get_group(),
-                              device=torch.device("cpu"), schedule=schedule, microbatches=microbatches,
-                              loss=lambda output, target: torch.nn.functional.cross_entropy(
-                                  output.flatten(0, 1).float(), target.flatten()),
-                              weight=layout.dp / GLOBAL_BATCH, seed=0, stream=at.pp * layout.tp + at.tp)
-    losses = []
-    for step in range(STEPS):
-        inputs, targets = dataset[order.split_indices(step, split, data_rank)]
-        set_learning_rate(state.optimizer, learning_rate(step, OPTIM, STEPS))
-        state.optimizer.zero_grad(set_to_none=True)
-        with DataPlace.in_group(layout).loss_context():
-            losses.append(pipeline.step(step, split.bounds(data_rank)[0], inputs, targets).item())
-        clip_gradients(state.model.parameters(), OPTIM.clip_grad_norm, across=mesh.pp.get_group())
-        state.optimizer.step()
-    stage_state = whole_state(strategy, state)
+    strategy over dp); on rank 0: the whole state (gathered over the stages) and every step's reported loss sums,
+    samples and sample ids, by rank."""
+    _, strategy, state, runner = setup(layout, strategy_name, "fp32", UNTIED, "none", schedule, microbatches)
+    results = [runner.run(state, step) for step in range(STEPS)]
     stages = [None] * layout.pp
-    dist.all_gather_object(stages, (stage_state, losses), group=mesh.pp.get_group())
-    if rank != 0:
+    dist.all_gather_object(stages, whole_state(strategy, state), group=runner.pipeline.group)
+    reported = [None] * dist.get_world_size()
+    dist.all_gather_object(reported, [(r.loss_sum, r.samples, r.sample_ids) for r in results])
+    if dist.get_rank() != 0:
         return {}
-    return {"state": {k: v for stage, _ in stages for k, v in stage.items()}, "losses": stages[-1][1]}
+    return {"state": {k: v for stage in stages for k, v in stage.items()}, "reported": reported}
