@@ -66,7 +66,8 @@ def test_a_pp2_run_that_loses_a_worker_goes_on_at_the_survivors_layout_from_its_
     ends with an undisturbed run's parameters and every step applied once."""
     steps = 8
     disturbed = job("workload.name=chargpt", PP_OPTIONS, "parallel.pp=2", "strategy.name=zero3",
-                    "scaling.min_workers=1", "scaling.max_workers=2", f"training.steps={steps}", "training.global_batch_size=8",
+                    "scaling.min_workers=1", "scaling.max_workers=2", f"training.steps={steps}",
+                    "training.global_batch_size=8",
                     "training.record_samples=true", "checkpoint.every_steps=4", "scaling.cpus_per_worker=0.5",
                     "faults=[{action: kill, rank: 1, step: 7}]", name="pp-kill")
     result = train(disturbed, run_dir=tmp_path / "run")
