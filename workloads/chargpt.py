@@ -21,11 +21,9 @@ import sysconfig
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import TensorDataset
 
-from raylastic.workloads.gpt_parallel import parallelize_gpt
-from raylastic.workloads.gpt_pipeline import split_gpt
+from raylastic.workloads.gpt_splits import GPTSplits
 
 VOCAB_SIZE = 256  # one token per byte
 EVAL_WINDOWS = 64  # held-out windows scored by ``evaluate``
@@ -137,7 +135,7 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-class CharGPT:
+class CharGPT(GPTSplits):
     """Next-byte prediction on stdlib source with a small GPT (tied embedding / lm head, no dropout).
 
     Options (``workload.options``):
@@ -192,18 +190,6 @@ class CharGPT:
         """A fresh GPT, initialised (normal, std 0.02) from the process's torch seed."""
         return GPT(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size,
                    tie_embeddings=self.tie_embeddings)
-
-    def parallelize(self, model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
-        """Tensor parallelism (parallel.tp > 1): Megatron's split of every block (workloads/gpt_parallel.py)."""
-        parallelize_gpt(model, tp_mesh)
-
-    def pipeline_split(self, model: torch.nn.Module, stage: int, num_stages: int) -> torch.nn.Module:
-        """Pipeline parallelism (parallel.pp > 1): ``model`` cut down to ``stage`` (workloads/gpt_pipeline.py)."""
-        return split_gpt(model, stage, num_stages)
-
-    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The last stage's logits against the batch's targets: ``training_step``'s loss."""
-        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
 
     def train_dataset(self) -> TensorDataset:
         """Inputs and next-byte targets, both ``int64[N, block_size]``."""

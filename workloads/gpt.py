@@ -21,19 +21,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Subset
 
 from raylastic.workloads.chargpt import GPT
-from raylastic.workloads.gpt_parallel import parallelize_gpt
-from raylastic.workloads.gpt_pipeline import split_gpt
+from raylastic.workloads.gpt_splits import GPTSplits
 from raylastic.workloads.token_checks import DTYPES, TokenFileError
 from raylastic.workloads.tokens import TokenBlocks, stacked
 
 TOKENIZE_HINT = "make one with `raylastic tokenize DIR --stdlib` (or your own text files instead of --stdlib)"
 
 
-class TokenGPT:
+class TokenGPT(GPTSplits):
     """Next-token prediction over a tokenized corpus with a GPT (tied embedding / lm head, dropout).
 
     Options (``workload.options``):
@@ -77,18 +75,6 @@ class TokenGPT:
         """A fresh GPT, initialised (normal, std 0.02) from the process's torch seed."""
         return GPT(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size,
                    vocab_size=self.vocab_size, dropout=self.dropout, tie_embeddings=self.tie_embeddings)
-
-    def parallelize(self, model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
-        """Tensor parallelism (parallel.tp > 1): Megatron's split of every block (workloads/gpt_parallel.py)."""
-        parallelize_gpt(model, tp_mesh)
-
-    def pipeline_split(self, model: torch.nn.Module, stage: int, num_stages: int) -> torch.nn.Module:
-        """Pipeline parallelism (parallel.pp > 1): ``model`` cut down to ``stage`` (workloads/gpt_pipeline.py)."""
-        return split_gpt(model, stage, num_stages)
-
-    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The last stage's logits against the batch's targets: ``training_step``'s loss."""
-        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
 
     def train_dataset(self) -> TokenBlocks:
         """train.bin's windows: inputs and next-token targets, both ``int64[block_size]``."""
