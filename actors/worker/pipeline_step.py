@@ -32,11 +32,10 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class SeededStage(PipelineStage):
-    """A stage that seeds the RNG before each micro-batch's forward from ``chunk_seed(micro-batch index)``."""
+    """A stage that seeds the RNG before each micro-batch's forward from ``chunk_seed(micro-batch index)`` (its
+    Pipeline's)."""
 
-    def __init__(self, *args: Any, chunk_seed: Callable[[int], int], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.chunk_seed = chunk_seed
+    chunk_seed: Callable[[int], int]
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
                           save_forward_output: bool = True) -> Any:
@@ -63,20 +62,19 @@ class Pipeline:
         """This rank's stage of a pipeline of ``num_stages`` over ``group`` (the pp mesh's), run by ``schedule``
         in ``microbatches`` micro-batches; ``loss(output, target)`` is a micro-batch's mean loss, ``weight``
         dp / B."""
-        holder: dict[str, Pipeline] = {}
-
-        def chunk_seed(chunk: int) -> int:
-            pipeline = holder["pipeline"]
-            position = pipeline.position + chunk * pipeline.samples_per_microbatch
-            return step_seed(pipeline.seed, pipeline.step_index, position, pipeline.stream)
-
         def weighted_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
             return loss(output, target).float() * target.shape[0] * weight
 
-        stage = SeededStage(module, stage_index, num_stages, device, group=group, chunk_seed=chunk_seed)
+        stage = SeededStage(module, stage_index, num_stages, device, group=group)
         runner = SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=weighted_loss, scale_grads=False)
-        holder["pipeline"] = pipeline = cls(stage, runner, microbatches, seed, stream, weight)
+        pipeline = cls(stage, runner, microbatches, seed, stream, weight)
+        stage.chunk_seed = pipeline.chunk_seed
         return pipeline
+
+    def chunk_seed(self, chunk: int) -> int:
+        """The seed of micro-batch ``chunk`` of the current step: its place in the global batch, this rank's stream."""
+        position = self.position + chunk * self.samples_per_microbatch
+        return step_seed(self.seed, self.step_index, position, self.stream)
 
     @classmethod
     def for_generation(cls, model: torch.nn.Module, mesh: ParallelMesh | None, parallel: ParallelConfig, *,
