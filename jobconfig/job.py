@@ -16,8 +16,8 @@ from raylastic.jobconfig.scaling import FailureConfig, FaultConfig, ScalingConfi
 from raylastic.jobconfig.strategy import StrategyConfig
 from raylastic.jobconfig.training import DataConfig, EvalConfig, OptimConfig, TrainingConfig, WorkloadConfig
 
-MODEL_PARALLEL_STRATEGIES = ("ddp", "zero2", "zero3")
-"""The strategies that apply over the data-parallel ranks of a tensor-parallel run (all through FSDP2)."""
+MODEL_PARALLEL_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+"""The strategies that apply over the data-parallel ranks of a model-parallel run (all through FSDP2)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,11 +82,9 @@ class JobConfig:
         """What tensor and pipeline parallelism compose with (each refusal names the field and why)."""
         parallel, strategy, scaling, training = self.parallel, self.strategy, self.scaling, self.training
         when = "with parallel.tp or parallel.pp > 1"
-        require(parallel.pp_schedule in ("gpipe", "1f1b"), "parallel.pp_schedule",
-                "gpipe or 1f1b: interleaved_1f1b and zbv are not available yet", parallel.pp_schedule)
         require(strategy.name in MODEL_PARALLEL_STRATEGIES, "strategy.name",
                 f"{', '.join(MODEL_PARALLEL_STRATEGIES)} {when} (diloco and async_ps step each worker's whole "
-                "model; zero1 wraps the model in torch DDP, which takes no split parameters)", strategy.name)
+                "model)", strategy.name)
         for name, value in (("compression", strategy.compression != "none"), ("hierarchical", strategy.hierarchical),
                             ("comm_timing", strategy.comm_timing)):
             require(not value, f"strategy.{name}", f"left at its default {when} (it is a hook of torch DDP; "
@@ -107,12 +105,13 @@ class JobConfig:
                              f"data-parallel ranks of scaling.max_workers ({scaling.max_workers}) / parallel.tp x "
                              f"parallel.pp ({unit}): every data-parallel rank needs at least one sample per step")
         if parallel.pp > 1:
+            require(not (strategy.name == "zero3" and parallel.pp_schedule == "zbv"), "strategy.name",
+                    "ddp, zero1 or zero2 with parallel.pp_schedule=zbv (zero3 frees each stage's gathered parameters "
+                    "after its forward, and ZBV's separate weight-gradient pass of the last stage then loses its "
+                    "gradients; 1f1b and interleaved_1f1b take zero3)", strategy.name)
             require(training.micro_batch_size is None, "training.micro_batch_size",
                     "null with parallel.pp > 1 (a pipeline's micro-batches are parallel.pp_microbatches)",
                     training.micro_batch_size)
-            require(self.eval.every_steps == 0, "eval.every_steps",
-                    "0 with parallel.pp > 1 (evaluation through a pipeline is not available yet)",
-                    self.eval.every_steps)
             share = data_parallel * parallel.microbatches
             require(batch % share == 0, "training.global_batch_size",
                     f"a multiple of {share} with parallel.pp > 1: each of the {data_parallel} data-parallel ranks "

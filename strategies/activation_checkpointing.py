@@ -6,7 +6,7 @@ operations between them, Korthikanti et al. 2022's trade, as torchtitan's op-lev
 is wrapped with torch's non-reentrant ``checkpoint_wrapper``, which restores the RNG state for the recompute,
 so dropout draws the same masks: the math is unchanged. Apply after tensor parallelism and before the
 strategy wraps the model (torchtitan's order); parameter names then carry ``_checkpoint_wrapped_module``,
-which ``canonical_name`` removes for checkpoints.
+which ``canonical_name`` (strategies/model_parts.py) removes for checkpoints.
 
 Example::
 
@@ -19,7 +19,7 @@ import functools
 from collections.abc import Iterator
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
@@ -49,11 +49,6 @@ def checkpoint_blocks(model: torch.nn.Module, mode: str) -> None:
                                                                           _keep_matmuls)}
     for container, key in list(repeated_blocks(model)):
         container[key] = checkpoint_wrapper(container[key], **options)
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name as it is without activation checkpointing (what checkpoints are keyed by)."""
-    return name.replace(_CHECKPOINT_PREFIX, "")
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -12,9 +12,12 @@ from raylastic.strategies.zero1 import Zero1Strategy
 
 
 def build_strategy(config: StrategyConfig, parallel: ParallelConfig | None = None) -> Strategy:
-    """The strategy for ``config.name``; it sees only its own config. Under model parallelism (``parallel.tp`` >
-    1) every strategy is FSDP2 over the generation's data-parallel mesh: ddp's layout has a copy on every
-    data-parallel rank and one shard (torch DDP takes no tensor-parallel parameters; torchtitan does the same)."""
+    """The strategy for ``config.name``; it sees only its own config. Under model parallelism (``parallel.tp`` or
+    ``parallel.pp`` > 1) every strategy is FSDP2 over the generation's data-parallel mesh, as torchtitan does it
+    (torch DDP takes no tensor-parallel parameters): ddp's layout has a copy on every data-parallel rank and one
+    shard; zero1 keeps the parameters gathered from forward through backward, as zero2 does (FSDP2 shards the
+    gradients with the optimizer state: the same math, less memory, and a reduce-scatter plus an all-gather
+    moving what DDP's all-reduce does)."""
     if parallel is not None and parallel.model_parallel > 1:
         return FSDPStrategy(name=config.name, reshard_after_forward=config.name == "zero3", offload=config.offload,
                             replicas=config.replicas)

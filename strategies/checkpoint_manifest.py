@@ -59,8 +59,8 @@ class CheckpointManifest:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Every file of the checkpoint: {"size": bytes, "sha256": hex}."""
     layout: dict[str, int] = field(default_factory=dict)
-    """The model-parallel layout it was saved in ({"pp", "dp_replicate", "dp_shard", "tp"}); empty: every rank a
-    data-parallel one. It loads in any other."""
+    """The model-parallel layout it was saved in (ParallelLayout's fields: "pp", "dp_replicate", "dp_shard", "tp",
+    "stages_per_rank", "v_shape"); empty: every rank a data-parallel one. It loads in any other."""
     versions: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT
     created_at: float = 0.0

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from raylastic.strategies.activation_checkpointing import canonical_name
+from raylastic.strategies.model_parts import canonical_name
 
 
 def model_entries(model: torch.nn.Module) -> dict[str, Any]:

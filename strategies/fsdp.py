@@ -38,6 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from raylastic.strategies.activation_checkpointing import repeated_blocks
 from raylastic.strategies.base import GroupContext, ModelFactory, OptimizerFactory, TrainState, require_elementwise
 from raylastic.strategies.compression.accounting import NO_TRAFFIC, CommTraffic
+from raylastic.strategies.model_parts import canonical_name, roots
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.parallel_mesh import parallel_mesh
 from raylastic.strategies.shard_layout import ShardLayout, effective_replicas
@@ -71,9 +72,10 @@ class FSDPStrategy:
             mesh, root = parallel.dp, parallel.root
         options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                                        offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
-        for container, key in repeated_blocks(model):  # each block a unit of its own, the rest with the root
+        for container, key in repeated_blocks(model):  # each block a unit of its own, the rest with its root
             fully_shard(container[key], **options)
-        fully_shard(model, **options)
+        for root_module in roots(model):  # a rank's pipeline stages run forward one by one: each its own root
+            fully_shard(root_module, **options)
         release_group_with(model, root)
         optimizer = build_optimizer(model)
         require_elementwise(optimizer, self.name)
@@ -87,13 +89,13 @@ class FSDPStrategy:
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         model, optimizer = get_state_dict(state.model, state.optimizer, options=_OPTIONS)
-        return {**{f"model.{k}": v for k, v in model.items()}, **{f"optim.{k}": v for k, v in optimizer.items()
-                                                                   if k.startswith("state.")}}
+        return {**{f"model.{canonical_name(k)}": v for k, v in model.items()},
+                **{f"optim.{canonical_name(k)}": v for k, v in optimizer.items() if k.startswith("state.")}}
 
     def load_state_dict(self, state: TrainState, flat: dict[str, Any]) -> None:
-        model = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
-        _, current = get_state_dict(state.model, state.optimizer, options=_OPTIONS)
-        optimizer = {k: flat.get(f"optim.{k}", v) for k, v in current.items()}  # param_groups: as built
+        current_model, current = get_state_dict(state.model, state.optimizer, options=_OPTIONS)
+        model = {k: flat[f"model.{canonical_name(k)}"] for k in current_model}
+        optimizer = {k: flat.get(f"optim.{canonical_name(k)}", v) for k, v in current.items()}  # param_groups: built
         set_state_dict(state.model, state.optimizer, model_state_dict=model, optim_state_dict=optimizer,
                        options=_OPTIONS)
 
@@ -147,9 +149,12 @@ def release_group_with(owner: object, mesh: DeviceMesh) -> None:
 
 @contextlib.contextmanager
 def _without_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
-    assert isinstance(model, FSDPModule)
-    model.set_requires_gradient_sync(False)
+    units = roots(model)
+    assert all(isinstance(unit, FSDPModule) for unit in units)
+    for unit in units:
+        unit.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        for unit in units:
+            unit.set_requires_gradient_sync(True)

@@ -5,13 +5,16 @@ order torchtitan's meshes use: rank ``((p * R + r) * S + s) * T + t``. The tenso
 innermost, so a tp group is consecutive ranks (one node's, once ``rank_order`` has placed the members),
 and the pipeline dimension outermost, so a stage's ranks are together and neighbouring stages follow
 each other. ``dp_replicate`` x ``dp_shard`` is the data-parallel degree that ``strategy`` applies over,
-with ``strategy.replicas`` copies (HSDP) as ``dp_replicate``.
+with ``strategy.replicas`` copies (HSDP) as ``dp_replicate``. A pipeline rank may hold several of the model's
+stages (``stages_per_rank``): looped, ``p, p + pp, ...`` (interleaved 1F1B), or in a V, ``p`` and ``2 pp - 1 - p``
+(zero-bubble ZBV), as torchtitan places them.
 
 Example::
 
     layout = ParallelLayout(pp=2, dp_replicate=1, dp_shard=2, tp=2)
     layout.world_size, layout.dp          # (8, 2)
     layout.coordinates(5)                 # Coordinates(pp=1, dp_replicate=0, dp_shard=0, tp=1)
+    ParallelLayout(pp=2, stages_per_rank=2, v_shape=True).stages(0)   # (0, 3): the first and the last
     rank_order(["a", "b", "a", "b"], tp=2)  # [0, 2, 1, 3]: each tp pair on one node
 """
 
@@ -35,10 +38,26 @@ class ParallelLayout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    stages_per_rank: int = 1
+    v_shape: bool = False
+    """Whether each pipeline rank's two stages mirror each other (``stages``), else they loop."""
 
     def __post_init__(self) -> None:
-        if min(self.pp, self.dp_replicate, self.dp_shard, self.tp) < 1:
+        if min(self.pp, self.dp_replicate, self.dp_shard, self.tp, self.stages_per_rank) < 1:
             raise ValueError(f"every degree of a layout must be positive, got {self}")
+        if self.v_shape and self.stages_per_rank != 2:
+            raise ValueError(f"a V places 2 stages on each pipeline rank, got {self}")
+
+    @property
+    def num_stages(self) -> int:
+        """The stages the model is cut into."""
+        return self.pp * self.stages_per_rank
+
+    def stages(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank ``pp_rank`` holds, in order."""
+        if self.v_shape:
+            return pp_rank, 2 * self.pp - 1 - pp_rank
+        return tuple(pp_rank + index * self.pp for index in range(self.stages_per_rank))
 
     @property
     def dp(self) -> int:
@@ -67,15 +86,18 @@ class ParallelLayout:
         return at.dp_replicate * self.dp_shard + at.dp_shard
 
     def reports(self, rank: int) -> bool:
-        """Whether ``rank`` reports its data-parallel rank's loss and samples: one rank of each tp group, in the
-        last pipeline stage (where the loss is)."""
+        """Whether ``rank`` reports its data-parallel rank's loss and samples: one rank of each tp group, the one
+        holding the last pipeline stage (where the loss is)."""
         at = self.coordinates(rank)
-        return at.tp == 0 and at.pp == self.pp - 1
+        return at.tp == 0 and self.num_stages - 1 in self.stages(at.pp)
 
     def describe(self) -> str:
-        """``pp2 x dp2 x tp2`` (``dp2 (2 copies)`` with HSDP's copies); the degrees of 1 left out."""
+        """``pp2 x dp2 x tp2`` (``dp2 (2 copies)`` with HSDP's copies, ``pp2 (2 stages each)`` with several stages
+        on each pipeline rank); the degrees of 1 left out."""
         copies = f" ({self.dp_replicate} copies)" if self.dp_replicate > 1 else ""
-        parts = [f"pp{self.pp}" if self.pp > 1 else "", f"dp{self.dp}{copies}" if self.dp > 1 else "",
+        shape = ", V" if self.v_shape else ""
+        stages = f" ({self.stages_per_rank} stages each{shape})" if self.stages_per_rank > 1 else ""
+        parts = [f"pp{self.pp}{stages}" if self.pp > 1 else "", f"dp{self.dp}{copies}" if self.dp > 1 else "",
                  f"tp{self.tp}" if self.tp > 1 else ""]
         return " x ".join(part for part in parts if part) or "dp1"
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylastic.strategies.activation_checkpointing import SAVED_OPS, canonical_name, checkpoint_blocks
+from raylastic.strategies.activation_checkpointing import SAVED_OPS, checkpoint_blocks
+from raylastic.strategies.model_parts import canonical_name
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.workloads.chargpt import GPT
 from tests.support.distributed_harness import run_distributed

@@ -53,6 +53,18 @@ def test_a_layout_numbers_its_ranks_tp_innermost_and_pp_outermost():
         layout.coordinates(8)
 
 
+def test_several_stages_on_a_rank_loop_or_mirror_and_the_rank_holding_the_last_reports():
+    looped = ParallelLayout(pp=2, stages_per_rank=3)
+    assert (looped.num_stages, looped.stages(0), looped.stages(1)) == (6, (0, 2, 4), (1, 3, 5))
+    assert [looped.reports(rank) for rank in range(2)] == [False, True]
+    v = ParallelLayout(pp=3, dp_shard=2, stages_per_rank=2, v_shape=True)
+    assert [v.stages(p) for p in range(3)] == [(0, 5), (1, 4), (2, 3)]
+    assert [v.reports(rank) for rank in range(6)] == [True, True, False, False, False, False]  # stage 5 on pp 0
+    assert v.describe() == "pp3 (2 stages each, V) x dp2"
+    with pytest.raises(ValueError, match="a V places 2 stages on each pipeline rank"):
+        ParallelLayout(pp=2, stages_per_rank=3, v_shape=True)
+
+
 @pytest.mark.parametrize(("nodes", "tp", "order"), [
     (["a", "b", "a", "b"], 2, [0, 2, 1, 3]),                    # members joined alternately: pairs by node
     (["a", "a", "a", "b", "b", "b"], 2, [0, 1, 3, 4, 2, 5]),    # one pair must straddle: it comes last
@@ -75,6 +87,9 @@ def test_rank_order_puts_each_tp_group_on_one_node(nodes, tp, order):
     (6, {"pp": 2}, 1, 48, ParallelLayout(pp=2, dp_shard=3)),                     # 48 = 3 dp x 2 mb x 8
     (6, {"pp": 2, "pp_microbatches": 4}, 1, 40, ParallelLayout(pp=2, dp_shard=2)),  # 3 x 4 does not divide 40
     (3, {}, 1, 2, ParallelLayout(dp_shard=2)),                                   # a sample for every dp rank
+    (4, {"pp": 2, "pp_schedule": "zbv"}, 1, 64, ParallelLayout(pp=2, dp_shard=2, stages_per_rank=2, v_shape=True)),
+    (3, {"pp": 2, "pp_schedule": "interleaved_1f1b"}, 1, 64, ParallelLayout(pp=2, stages_per_rank=2)),
+    (1, {"pp": 2, "pp_schedule": "interleaved_1f1b"}, 1, 64, ParallelLayout()),   # one stage without a pipeline
     (0, {}, 1, 64, None),
     (4, {"pp": 2, "pp_microbatches": 5}, 1, 48, None),                  # 5 micro-batches never divide 48: no
     (1, {"pp": 2, "pp_microbatches": 5}, 1, 48, ParallelLayout()),      # pipeline then, unless one worker is left

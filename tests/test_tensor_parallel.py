@@ -102,9 +102,8 @@ def test_a_checkpoint_saved_at_dp2_tp2_loads_exactly_at_tp2_and_at_dp4_and_expor
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["parallel.tp=2", "strategy.name=zero1"],
-     "strategy.name must be ddp, zero2, zero3 with parallel.tp or parallel.pp > 1"),
-    (["parallel.tp=2", "strategy.name=diloco"], "strategy.name must be ddp, zero2, zero3"),
+    (["parallel.tp=2", "strategy.name=diloco"],
+     "strategy.name must be ddp, zero1, zero2, zero3 with parallel.tp or parallel.pp > 1"),
     (["parallel.tp=2", "strategy.compression=bf16"], "strategy.compression must be left at its default"),
     (["parallel.tp=2", "strategy.hierarchical=true"], "strategy.hierarchical must be left at its default"),
     (["parallel.tp=2", "training.compile=true"], "training.compile must be false with parallel.tp or parallel.pp"),
@@ -114,12 +113,12 @@ def test_a_checkpoint_saved_at_dp2_tp2_loads_exactly_at_tp2_and_at_dp4_and_expor
      "scaling.min_workers must be a multiple or a divisor of parallel.tp x parallel.pp (4)"),
     (["parallel.tp=2", "scaling.max_workers=8", "training.global_batch_size=3"],
      "cannot be split across the 4 data-parallel ranks"),
-    (["parallel.pp=2", "scaling.max_workers=2", "parallel.pp_schedule=zbv"],
-     "parallel.pp_schedule must be gpipe or 1f1b: interleaved_1f1b and zbv are not available yet"),
+    (["parallel.pp=2", "scaling.max_workers=2", "parallel.pp_schedule=zbv", "parallel.stages_per_rank=3"],
+     "parallel.stages_per_rank must be 2 with parallel.pp_schedule=zbv"),
     (["parallel.pp=2", "scaling.max_workers=2", "training.micro_batch_size=4"],
      "training.micro_batch_size must be null with parallel.pp > 1"),
-    (["parallel.pp=2", "scaling.max_workers=2", "eval.every_steps=10"],
-     "eval.every_steps must be 0 with parallel.pp > 1"),
+    (["parallel.pp=2", "scaling.max_workers=2", "parallel.pp_schedule=zbv", "strategy.name=zero3"],
+     "strategy.name must be ddp, zero1 or zero2 with parallel.pp_schedule=zbv"),
     (["parallel.pp=2", "scaling.max_workers=4", "training.global_batch_size=6"],
      "training.global_batch_size must be a multiple of 4 with parallel.pp > 1"),
     (["parallel.tp=0"], "parallel.tp must be a positive integer"),

@@ -151,7 +151,9 @@ def choose_layout(num_workers: int, parallel: ParallelConfig, *, replicas: int,
                 continue  # through a pipeline, every micro-batch of every data-parallel rank is the same size
             if global_batch_size >= dp:
                 copies = effective_replicas(replicas, dp)
-                return ParallelLayout(pp=pp, dp_replicate=copies, dp_shard=dp // copies, tp=tp)
+                stages = {"stages_per_rank": parallel.stages_on_each_rank,
+                          "v_shape": parallel.pp_schedule == "zbv"} if pp > 1 else {}
+                return ParallelLayout(pp=pp, dp_replicate=copies, dp_shard=dp // copies, tp=tp, **stages)
     return None
 
 

@@ -17,9 +17,11 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from raylastic.actors.data.batch_split import rank_slice
 from raylastic.actors.data.batches import fetch_batch, loader_inputs, to_device
 from raylastic.actors.worker.data_place import DataPlace
+from raylastic.actors.worker.pipeline_step import Pipeline
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.workloads.protocol import Workload
 
@@ -40,29 +43,42 @@ class Evaluator:
         self.workload, self.batch_size, self.device, self.autocast = workload, batch_size, device, autocast
         self.layout: ParallelLayout | None = None
         """The current group's model-parallel layout (None: every rank a data-parallel one)."""
+        self.pipeline: Pipeline | None = None
+        """The current group's pipeline (parallel.pp > 1), which evaluation runs through."""
+        self._warned = False
         self.dataset = workload.eval_dataset() if hasattr(workload, "eval_dataset") else None
         if self.dataset is not None:
             self.source, self.collate = loader_inputs(self.dataset, getattr(workload, "collate", None))
 
     def run(self, model: torch.nn.Module) -> dict[str, float]:
-        """The workload's ``evaluate(model)`` and the distributed ``eval_step`` metrics, in eval mode."""
-        if self.layout is not None and self.layout.pp > 1:  # JobConfig refuses eval.every_steps with parallel.pp
-            logger.warning("no evaluation at the end of the run: evaluation through a pipeline (parallel.pp > 1) "
-                           "is not available yet")
-            return {}
+        """The workload's ``evaluate(model)`` and the distributed ``eval_step`` metrics, in eval mode; through a
+        pipeline, ``eval_loss`` (``_pipeline_step``)."""
         was_training = model.training
         model.eval()
         place = DataPlace.in_group(self.layout) if dist.is_initialized() else DataPlace(rank=0, ranks=1)
         try:
             with torch.no_grad(), self.autocast(), place.loss_context():
+                if self.pipeline is not None:
+                    return self._distributed(self._pipeline_step, place) if self.dataset is not None else {}
                 metrics = dict(self.workload.evaluate(model)) if hasattr(self.workload, "evaluate") else {}
                 if self.dataset is not None:
-                    metrics.update(self._distributed(model, place))
+                    metrics.update(self._distributed(functools.partial(self.workload.eval_step, model), place))
         finally:
             model.train(was_training)
         return metrics
 
-    def _distributed(self, model: torch.nn.Module, place: DataPlace) -> dict[str, float]:
+    def _pipeline_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+        """``eval_step`` through a pipeline, where no rank holds the whole model for the workload's: the sum of the
+        samples' ``pipeline_loss`` (its mean over the samples is the ``eval_loss``)."""
+        if not self._warned:
+            self._warned = True
+            logger.warning("evaluation through a pipeline (parallel.pp > 1) is eval_loss, the mean of the workload's "
+                           "pipeline_loss over its eval_dataset; evaluate() and eval_step() need the whole model and "
+                           "are not run")
+        return {"eval_loss": sum(self.pipeline.evaluate(*batch))}
+
+    def _distributed(self, eval_step: Callable[[Any], dict[str, torch.Tensor | float]],
+                     place: DataPlace) -> dict[str, float]:
         rank, world_size = place.rank, place.ranks
         total = len(self.dataset)
         if total >= world_size:
@@ -77,18 +93,23 @@ class Evaluator:
             indices = list(range(start + number * self.batch_size, min(stop, start + (number + 1) * self.batch_size)))
             counted = bool(indices) and place.reports
             batch = fetch_batch(self.source, self.collate, indices or [0])
-            result = self.workload.eval_step(model, to_device(batch, self.device))
+            result = eval_step(to_device(batch, self.device))
             names = names or sorted(result)
             values = torch.tensor([_number(result[name]) for name in names] + [len(indices)], dtype=torch.float64)
             sums = (values if counted else torch.zeros_like(values)) + (0 if sums is None else sums)
         if sums is None:
             raise ValueError("workload.eval_dataset() is empty")
+        sums = self._summed(sums)
+        count = sums[-1].item()
+        return {name: sums[i].item() / count for i, name in enumerate(names)}
+
+    def _summed(self, sums: torch.Tensor) -> torch.Tensor:
+        """``sums`` added up over the group's ranks (collective)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
             reduced = sums.to(self.device)
             dist.all_reduce(reduced)
-            sums = reduced.cpu()
-        count = sums[-1].item()
-        return {name: sums[i].item() / count for i, name in enumerate(names)}
+            return reduced.cpu()
+        return sums
 
 
 def _number(value: torch.Tensor | float) -> float:

@@ -1,5 +1,6 @@
 """The model one rank of a generation trains, before its strategy wraps it: the workload's model on the rank's
-device, cut down to the rank's pipeline stage (the workload's ``pipeline_split``), split over the generation's
+device, cut down to the rank's pipeline stage (the workload's ``pipeline_split``; several stages in a
+``ModelParts`` under the interleaved_1f1b and zbv schedules), split over the generation's
 tensor-parallel ranks (its ``parallelize``), its blocks checkpointed (training.activation_checkpointing), in
 torchtitan's order.
 
@@ -10,10 +11,13 @@ Example::
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
 from raylastic.strategies.activation_checkpointing import checkpoint_blocks
+from raylastic.strategies.model_parts import ModelParts, roots
 from raylastic.strategies.parallel_mesh import ParallelMesh
 from raylastic.workloads.protocol import Workload
 
@@ -21,9 +25,16 @@ from raylastic.workloads.protocol import Workload
 def build_rank_model(workload: Workload, device: torch.device, *, mesh: ParallelMesh | None,
                      activation_checkpointing: str = "none") -> torch.nn.Module:
     model = workload.build_model().to(device)
-    if mesh is not None and mesh.pp is not None:  # this rank's pipeline stage
-        model = workload.pipeline_split(model, mesh.layout.coordinates(dist.get_rank()).pp, mesh.layout.pp)
+    if mesh is not None and mesh.pp is not None:  # this rank's pipeline stages
+        layout = mesh.layout
+        stages = layout.stages(layout.coordinates(dist.get_rank()).pp)
+        if len(stages) == 1:
+            model = workload.pipeline_split(model, stages[0], layout.num_stages)
+        else:
+            model = ModelParts({stage: workload.pipeline_split(copy.deepcopy(model), stage, layout.num_stages)
+                                for stage in stages})
     if mesh is not None and mesh.tp is not None:
-        workload.parallelize(model, mesh.tp)
+        for part in roots(model):
+            workload.parallelize(part, mesh.tp)
     checkpoint_blocks(model, activation_checkpointing)
     return model

@@ -59,6 +59,7 @@ from raylastic.strategies.build import build_strategy
 from raylastic.strategies.checkpoint import Checkpointer, load_into, verify_for_load
 from raylastic.strategies.emulated_link import EmulatedLink
 from raylastic.strategies.group_assignment import GroupAssignment
+from raylastic.strategies.model_parts import canonical_name
 from raylastic.strategies.parallel_mesh import ParallelMesh, parallel_mesh
 from raylastic.strategies.peer_restore import PeerRestorePlan
 from raylastic.strategies.plain_objects import all_gather_plain
@@ -164,6 +165,7 @@ class TrainWorker:
             self.state.model, self._mesh, self.spec.parallel, device=self.device,
             loss=getattr(self.workload, "pipeline_loss", None), global_batch_size=self.spec.training.global_batch_size,
             seed=self.spec.training.seed)
+        self.evaluator.pipeline = self.runner.pipeline
         if self.spec.training.compile:
             self.state.wrapped = torch.compile(self.state.wrapped)
         self.runner.clock.attach(self.state.model)
@@ -198,7 +200,8 @@ class TrainWorker:
         previous = self.state.kept_across_groups() if keep else None
         if self.strategy.replicated and not self._state_intact:  # rebuilt from the seed below: a valid step-0 state
             self.status.step, self._state_intact = 0, True
-        self.state, self.checkpoint_group, self._mesh, self.runner.pipeline = None, None, None, None
+        self.state, self.checkpoint_group, self._mesh = None, None, None
+        self.runner.pipeline = self.evaluator.pipeline = None
         gc.collect()  # the old DDP's reducer, its autograd hooks and its hold on the old group must be gone
         return previous
 
@@ -308,7 +311,7 @@ class TrainWorker:
         for name, tensor in self.state.model.state_dict().items():
             tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             if keep or staged:
-                full[name] = tensor.detach().cpu().clone()
+                full[canonical_name(name)] = tensor.detach().cpu().clone()
         if staged:
             stages: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(self.runner.pipeline.group)
             dist.all_gather_object(stages, full, group=self.runner.pipeline.group)

@@ -5,6 +5,7 @@ model-parallel layout, as TrainWorker sets a generation up, and the trained stat
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -83,9 +84,7 @@ def train_and_report(layout: ParallelLayout | None, strategy_name: str = "ddp", 
     evaluator.layout = layout
     metrics = evaluator.run(state.model)
     if checkpoint_root is not None:
-        Checkpointer(root=checkpoint_root, every_steps=0, num_to_keep=1, config_hash="test",
-                     global_batch_size=GLOBAL_BATCH).save(STEPS, strategy.state_dict(state), strategy=strategy_name,
-                                                          world_size=dist.get_world_size()).result()
+        save_checkpoint(checkpoint_root, strategy, state, strategy_name, layout)
     state_dict = whole_state(strategy, state)
     reported = [(r.loss_sum, r.samples, r.sample_ids) for r in results]
     all_reported = [None] * dist.get_world_size()
@@ -93,9 +92,17 @@ def train_and_report(layout: ParallelLayout | None, strategy_name: str = "ddp", 
     return {"state": state_dict, "reported": all_reported, "metrics": metrics} if dist.get_rank() == 0 else {}
 
 
-def restore_and_report(layout: ParallelLayout | None, directory: str, strategy_name: str = "ddp") -> dict[str, Any]:
+def save_checkpoint(root: str, strategy, state, strategy_name: str, layout: ParallelLayout | None) -> None:
+    """Collective: the state's checkpoint of step ``STEPS`` under ``root``, written by every rank."""
+    Checkpointer(root=root, every_steps=0, num_to_keep=1, config_hash="test", global_batch_size=GLOBAL_BATCH).save(
+        STEPS, strategy.state_dict(state), strategy=strategy_name, world_size=dist.get_world_size(),
+        layout=dataclasses.asdict(layout) if layout is not None else None).result()
+
+
+def restore_and_report(layout: ParallelLayout | None, directory: str, strategy_name: str = "ddp",
+                       workload_spec: tuple[str, dict] = WORKLOAD) -> dict[str, Any]:
     """Load the checkpoint in ``directory`` into a fresh state laid out as ``layout``; rank 0: the whole state."""
-    _, strategy, state, _ = setup(layout, strategy_name)
+    _, strategy, state, _ = setup(layout, strategy_name, workload_spec=workload_spec)
     init_optimizer_state(state.optimizer)
     flat = strategy.state_dict(state)
     load_into(flat, directory)
@@ -138,21 +145,30 @@ def tensor_parallel_stages(num_stages: int) -> dict[str, float]:
             "names": sorted(gradients) == sorted(n for n, _ in whole.named_parameters())}
 
 
-UNTIED = ("chargpt", {**WORKLOAD[1], "n_layer": 2, "tie_embeddings": False})
-"""The built-in GPT with a head of its own (a pipeline puts the head and the embedding on different stages)."""
+UNTIED = ("chargpt", {**WORKLOAD[1], "n_layer": 4, "tie_embeddings": False})
+"""The built-in GPT with a head of its own (a pipeline puts the head and the embedding on different stages), and
+a block for each of up to 4 stages."""
 
 
-def pipeline_train_and_report(layout: ParallelLayout, strategy_name: str, schedule: str,
-                              microbatches: int) -> dict[str, Any]:
-    """``STEPS`` steps of ``UNTIED`` through a pipeline of ``layout.pp`` stages (each split over its tp group, the
-    strategy over dp); on rank 0: the whole state (gathered over the stages) and every step's reported loss sums,
-    samples and sample ids, by rank."""
-    _, strategy, state, runner = setup(layout, strategy_name, "fp32", UNTIED, "none", schedule, microbatches)
+def pipeline_train_and_report(layout: ParallelLayout, strategy_name: str, schedule: str, microbatches: int,
+                              precision: str = "fp32", checkpoint_root: str | None = None,
+                              workload_spec: tuple[str, dict] = UNTIED) -> dict[str, Any]:
+    """``STEPS`` steps of ``workload_spec`` through a pipeline of ``layout.pp`` stages (each split over its tp
+    group, the strategy over dp), then its evaluation; on rank 0: the whole state (gathered over the stages), every
+    step's reported loss sums, samples and sample ids, by rank, and the metrics. Saves a checkpoint under
+    ``checkpoint_root`` if given."""
+    workload, strategy, state, runner = setup(layout, strategy_name, precision, workload_spec, "none", schedule,
+                                              microbatches)
     results = [runner.run(state, step) for step in range(STEPS)]
+    evaluator = Evaluator(workload, batch_size=4, device=torch.device("cpu"), autocast=runner.autocast)
+    evaluator.layout, evaluator.pipeline = layout, runner.pipeline
+    metrics = evaluator.run(state.model)
+    if checkpoint_root is not None:
+        save_checkpoint(checkpoint_root, strategy, state, strategy_name, layout)
     stages = [None] * layout.pp
     dist.all_gather_object(stages, whole_state(strategy, state), group=runner.pipeline.group)
     reported = [None] * dist.get_world_size()
     dist.all_gather_object(reported, [(r.loss_sum, r.samples, r.sample_ids) for r in results])
     if dist.get_rank() != 0:
         return {}
-    return {"state": {k: v for stage in stages for k, v in stage.items()}, "reported": reported}
+    return {"state": {k: v for stage in stages for k, v in stage.items()}, "reported": reported, "metrics": metrics}
