@@ -36,7 +36,10 @@ import torch
 import torch.distributed as dist
 
 from raylastic.strategies.base import Strategy, TrainState, scaler_entries
+from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.peer_restore import ShardCopy
+from raylastic.strategies.region_copy import KeptRegions, RegionPacker, region_packed_size, unpack_regions
+from raylastic.strategies.region_plan import RegionCopy
 from raylastic.strategies.shard_copy import (
     KeptShards,
     ShardPacker,
@@ -108,11 +111,10 @@ class BuddyCopies:
         own = self._buffer(self._free_own, packer.size)
         packer.pack(own, fresh=scaler_entries(scaler))
         self._own.append(_Snapshot(step, packer.entries, own))
-        receiving = self._buffer(self._free_received, packed_size(packer.entries, self.layout.world_size,
-                                                                  self.left.rank))
+        receiving = self._buffer(self._free_received, self._received_size(packer))
         works = [dist.isend(own, group=self.group, group_dst=self.right),
                  dist.irecv(receiving, group=self.group, group_src=self.left.rank)]
-        self._in_flight = _Exchange(step, packer.entries, receiving, works)
+        self._in_flight = _Exchange(step, self._left_entries(packer), receiving, works)
 
     def _packer(self, strategy: Strategy, state: TrainState, scaler: torch.amp.GradScaler | None, step: int
                 ) -> ShardPacker | None:
@@ -127,8 +129,19 @@ class BuddyCopies:
                 return None
             again = strategy.state_dict(state)
             live = all(local_storage(value) == local_storage(flat[key]) for key, value in again.items())
-            self._packed_by = (signature if live else None, ShardPacker(flat, self.layout))
+            self._packed_by = (signature if live else None, self._new_packer(flat))
         return self._packed_by[1]
+
+    def _new_packer(self, flat: dict[str, torch.Tensor]) -> ShardPacker:
+        return ShardPacker(flat, self.layout)
+
+    def _received_size(self, packer: ShardPacker) -> int:
+        """Bytes of the left neighbour's packed copy."""
+        return packed_size(packer.entries, self.layout.world_size, self.left.rank)
+
+    def _left_entries(self, packer: ShardPacker) -> dict[str, Any]:
+        """What the left neighbour's packed copy holds (every rank packs the same entries' rows)."""
+        return packer.entries
 
     def finish(self) -> None:
         """Wait for the exchange in flight (up to the group's timeout); raises when a neighbour is lost."""
@@ -152,8 +165,8 @@ class BuddyCopies:
     def kept(self) -> list[KeptShards]:
         """Every copy this rank holds: its own shard at its last two steps, its left neighbour's newest, and an
         earlier generation's copies while this one has completed no exchange."""
-        own = [self._kept(snapshot, self.layout, "own") for snapshot in self._own]
-        received = [self._kept(self._received, self.left, "buddy")] if self._received is not None else []
+        own = [self._kept(snapshot, "own") for snapshot in self._own]
+        received = [self._kept(self._received, "buddy")] if self._received is not None else []
         return own + received + self.inherited
 
     def host_bytes(self) -> int:
@@ -163,7 +176,8 @@ class BuddyCopies:
         buffers += [self._in_flight.receiving] if self._in_flight is not None else []
         return sum(buffer.numel() for buffer in buffers)
 
-    def _kept(self, snapshot: _Snapshot, layout: ShardLayout, holder: str) -> KeptShards:
+    def _kept(self, snapshot: _Snapshot, holder: str) -> KeptShards:
+        layout = self.layout if holder == "own" else self.left
         copy = ShardCopy(generation=self.generation, world_size=layout.world_size, replicas=1, rank=layout.rank,
                          step=snapshot.step, holder=holder)
         return KeptShards(copy=copy, entries=snapshot.entries, rows=unpack_shard(snapshot.entries, snapshot.buffer,
@@ -176,3 +190,36 @@ class BuddyCopies:
                 return free.pop(index)
         free.clear()  # the state's shape changed (an optimizer's state built late): the old sizes are no use
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+
+class RegionBuddyCopies(BuddyCopies):
+    """Under model parallelism: the copy is the rank's part of the state (each entry's region it holds:
+    strategies/region_copy.py), which only it knows; the ranks tell each other what their parts hold when they
+    build their packers (at the generation's first copy, and again where a rank's optimizer state grew: every
+    rank at the same step, as a step's optimizer state grows on all of them). ``layout``: the generation's."""
+
+    def __init__(self, *, group: dist.ProcessGroup, layout: ParallelLayout, rank: int, generation: int,
+                 timeout_s: float, pin_memory: bool = False) -> None:
+        super().__init__(group=group, layout=ShardLayout(world_size=layout.world_size, replicas=1, rank=rank),
+                         generation=generation, timeout_s=timeout_s, pin_memory=pin_memory)
+        self.parallel = layout
+        self._left: dict[str, Any] = {}
+
+    def _new_packer(self, flat: dict[str, torch.Tensor]) -> RegionPacker:
+        packer = RegionPacker(flat)
+        everyone: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, packer.entries, group=self.group)
+        self._left = everyone[self.left.rank]
+        return packer
+
+    def _received_size(self, packer: RegionPacker) -> int:
+        return region_packed_size(self._left)
+
+    def _left_entries(self, packer: RegionPacker) -> dict[str, Any]:
+        return self._left
+
+    def _kept(self, snapshot: _Snapshot, holder: str) -> KeptRegions:
+        rank = self.layout.rank if holder == "own" else self.left.rank
+        copy = RegionCopy(generation=self.generation, layout=self.parallel, rank=rank, step=snapshot.step,
+                          holder=holder)
+        return KeptRegions(copy=copy, parts=unpack_regions(snapshot.entries, snapshot.buffer))

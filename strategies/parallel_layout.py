@@ -117,3 +117,35 @@ def rank_order(node_ids: Sequence[str], tp: int) -> list[int]:
         whole += members[:cut]
         left_over += members[cut:]
     return whole + left_over
+
+
+def in_place_order(previous: ParallelLayout | None, previous_ranks: Sequence[int | None], new: ParallelLayout,
+                   node_ids: Sequence[str]) -> list[int]:
+    """The members (by index; ``previous_ranks[i]``: member i's rank in the ``previous`` generation, None for one
+    that was not in it) in rank order for ``new``, so that what each holds stays where it is: where the pipeline
+    and tensor-parallel degrees stay, every whole old tp group takes a place of its own stage in ``new``, each
+    member its old tp rank (its tp shard of its stage stays on it; the group shares a node as before). The other
+    places go to the other members in ``rank_order``; the members left over are spares."""
+    default = rank_order(node_ids, new.tp)
+    if previous is None or (previous.pp, previous.tp, previous.stages_per_rank, previous.v_shape) != (
+            new.pp, new.tp, new.stages_per_rank, new.v_shape):
+        return default
+    groups: dict[tuple[int, int], dict[int, int]] = {}
+    for member, rank in enumerate(previous_ranks):
+        if rank is not None and rank < previous.world_size:
+            at = previous.coordinates(rank)
+            groups.setdefault((at.pp, previous.data_rank(rank)), {})[at.tp] = member
+    whole = {place: members for place, members in groups.items() if len(members) == new.tp}
+    placed: dict[int, int] = {}  # new rank -> member
+    for stage in range(new.pp):
+        # the same data-parallel place where it exists (a zero2/3 shard stays), else a free one
+        kept = sorted(place for place in whole if place[0] == stage)
+        stays = [place for place in kept if place[1] < new.dp]
+        free = [dp for dp in range(new.dp) if dp not in {place[1] for place in stays}]
+        moves = [place for place in kept if place[1] >= new.dp]
+        for dp, place in [(place[1], place) for place in stays] + list(zip(free, moves, strict=False)):
+            first = new.rank(Coordinates(stage, dp // new.dp_shard, dp % new.dp_shard, 0))
+            placed.update({first + tp: whole[place][tp] for tp in range(new.tp)})
+    rest = iter(member for member in default if member not in placed.values())
+    order = [placed[rank] if rank in placed else next(rest) for rank in range(new.world_size)]
+    return order + list(rest)

@@ -7,7 +7,7 @@ import pytest
 
 from raylastic.actors.controller.policies import choose_layout
 from raylastic.jobconfig.parallel import ParallelConfig
-from raylastic.strategies.parallel_layout import Coordinates, ParallelLayout, rank_order
+from raylastic.strategies.parallel_layout import Coordinates, ParallelLayout, in_place_order, rank_order
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -97,3 +97,19 @@ def test_rank_order_puts_each_tp_group_on_one_node(nodes, tp, order):
 def test_a_generation_keeps_the_configured_degrees_with_the_largest_dp_the_batch_allows(workers, settings, replicas,
                                                                                       batch, layout):
     assert choose_layout(workers, ParallelConfig(**settings), replicas=replicas, global_batch_size=batch) == layout
+
+
+@pytest.mark.parametrize(("previous", "previous_ranks", "new", "order"), [
+    # (pp2, 2 copies), old rank 2 (stage 1) lost: its copy (old 3) takes stage 1, old 1 waits as a spare
+    (ParallelLayout(pp=2, dp_replicate=2), [0, 1, 3], ParallelLayout(pp=2), [0, 2, 1]),
+    # (dp2, tp2), old rank 0 lost: the whole tp group of old ranks 2 and 3 keeps its shards
+    (ParallelLayout(dp_replicate=2, tp=2), [1, 2, 3], ParallelLayout(tp=2), [1, 2, 0]),
+    # a new worker (None) fills the place of the lost one
+    (ParallelLayout(pp=2, dp_shard=2), [None, 0, 2, 3], ParallelLayout(pp=2, dp_shard=2), [1, 0, 2, 3]),
+    # (pp2, dp2 sharded), old rank 0 lost: old rank 1 keeps its data-parallel place (its zero shard)
+    (ParallelLayout(pp=2, dp_shard=2), [1, 2, 3, None], ParallelLayout(pp=2, dp_shard=2), [3, 0, 1, 2]),
+    # the degrees change: nothing stays; rank_order
+    (ParallelLayout(pp=2, tp=2), [0, 1, 2], ParallelLayout(tp=2), [0, 1, 2]),
+])
+def test_a_re_formed_generation_keeps_each_members_part_where_the_layout_allows(previous, previous_ranks, new, order):
+    assert in_place_order(previous, previous_ranks, new, ["node"] * len(previous_ranks)) == order

@@ -11,6 +11,8 @@ the survivors allow, from its checkpoint, and ends as an undisturbed run does.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -158,27 +160,29 @@ def test_a_generation_trains_whole_tp_groups_and_spares_complete_one():
 
 @pytest.mark.usefixtures("ray_local")
 def test_a_tp2_run_that_loses_a_worker_goes_on_at_the_survivors_layout_from_its_checkpoint(tmp_path):
-    """dp2 x tp2 on 4 workers; one is killed at step 7 (the step-4 checkpoint written asynchronously by then): the
-    3 left train as dp1 x tp2 (the third waits as a spare) from the step-4 checkpoint, and the run ends with an
-    undisturbed run's parameters."""
+    """dp2 x tp2 on 4 workers under zero3 without buddy copies; one is killed at step 7 (the step-4 checkpoint
+    written asynchronously by then): its part has no copy, so the 3 left train as dp1 x tp2 (the third waits as a
+    spare) from the step-4 checkpoint; a scale-up back to dp2 x tp2 takes the state from the members' memory; the
+    run ends with an undisturbed run's parameters."""
     steps, options = 8, "workload.options={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16, corpus_chars: 30000}"
     overrides = ("workload.name=chargpt", options, "parallel.tp=2", "strategy.name=zero3", "scaling.min_workers=2",
                  "scaling.max_workers=4", f"training.steps={steps}", "training.global_batch_size=8",
                  "training.record_samples=true", "checkpoint.every_steps=4", "scaling.cpus_per_worker=0.25",
-                 "faults=[{action: kill, rank: 1, step: 7}]")
+                 "strategy.buddy_copy=false", "faults=[{action: kill, rank: 1, step: 7}]")
     disturbed = job(*overrides, name="tp-kill")
     result = train(disturbed, run_dir=tmp_path / "run")
     formed = [e for e in result.events if e.type == "generation_formed"]
     assert [(e.details["layout"], e.details["state_source"], e.step) for e in formed[:2]] == [
         ("dp2 x tp2", "initialisation", 0), ("tp2", "checkpoint", 4)], formed
-    for grown in formed[2:]:  # the replacement and the spare, if they came in time: saved first, nothing lost
+    for grown in formed[2:]:  # the replacement and the spare, if they came in time: from the members, nothing lost
         assert (grown.details["layout"], grown.details["state_source"], grown.details["steps_lost"]) == (
-            "dp2 x tp2", "checkpoint", 0), formed
+            "dp2 x tp2", "peers", 0), formed
+        assert grown.details["previous_layout"] == "tp2" and grown.details["moved_bytes"] > 0, formed
     assert {row["layout"] for row in result.history} <= {"dp2 x tp2", "tp2"}
     assert [row["layout"] for row in result.history][:4] == ["dp2 x tp2"] * 4
-    final_layout = {"dp2 x tp2": {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2},
-                    "tp2": {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 2}}[formed[-1].details["layout"]]
-    assert read_manifest(result.checkpoint).layout == final_layout
+    final_layout = {"dp2 x tp2": ParallelLayout(dp_shard=2, tp=2), "tp2": ParallelLayout(tp=2)}[
+        formed[-1].details["layout"]]
+    assert read_manifest(result.checkpoint).layout == dataclasses.asdict(final_layout)
     num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
     samples, parameters = undisturbed_run(disturbed, num_samples)
     assert applied_samples(result.ledger, steps, num_samples) == samples

@@ -18,6 +18,7 @@ import dataclasses
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -69,7 +70,8 @@ from raylastic.actors.worker_group.placement import ReservedBundles
 from raylastic.jobconfig import JobConfig
 from raylastic.strategies.checkpoint_catalogue import Checkpoint, CheckpointSettings
 from raylastic.strategies.checkpoint_manifest import read_manifest
-from raylastic.strategies.peer_restore import plan_peer_restore
+from raylastic.strategies.peer_restore import PeerRestorePlan, plan_peer_restore
+from raylastic.strategies.region_plan import RegionRestorePlan, plan_region_restore
 
 WAIT_SLICE_S = 1.0
 """While waiting for workers, how long one wait lasts before a stop request is looked at again."""
@@ -195,7 +197,7 @@ class Controller:
         layout = self.policies.layout.decide(self.group.size)
         reports = self.group.form(run_step=self.step, layout=layout)
         member_steps = [report.step for report in reports]
-        plan = None if self.replicated else plan_peer_restore([report.shard_copies for report in reports])
+        plan = self._peer_plan(reports)
         newest = None
         if needs_checkpoint_lookup(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
                                    run_step=self.step, peer_plan=plan):
@@ -204,9 +206,10 @@ class Controller:
                                      run_step=self.step, peer_plan=plan, newest_checkpoint=newest)
         if isinstance(source, StateLost):
             return Failed(source.reason(self.job.strategy, self.job.checkpoint.every_steps) + self.checkpoints.note())
+        moved = {}
         if isinstance(source, FromPeers):
-            self.group.restore_from_peers(source.plan)
-            self.step, label = source.plan.step, "buddy" if source.plan.from_buddies else "peers"
+            label, moved = self._restore_from_peers(source.plan)
+            self.step = source.plan.step
         elif isinstance(source, FromCheckpoint):
             found = source.checkpoint
             self.checkpoints.require_same_job(found)
@@ -223,8 +226,30 @@ class Controller:
             self.step, label = 0, "initialisation"
         self.log.event("generation_formed", self.step, generation=self.group.generation, world_size=self.group.size,
                        state_source=label, steps_lost=max(0, before - self.step),
-                       duration_s=round(time.time() - started, 4), **({"layout": layout.describe()} if layout else {}))
+                       duration_s=round(time.time() - started, 4), **({"layout": layout.describe()} if layout else {}),
+                       **moved)
         return Running(recovering_since=state.recovering_since)
+
+    def _peer_plan(self, reports: list) -> PeerRestorePlan | RegionRestorePlan | None:
+        """Which member sends which part of the state the members kept in memory (None: no complete copy
+        survived, or every member holds the whole state)."""
+        if self.replicated:
+            return None
+        if self.job.parallel.model_parallel > 1:  # the spares the layout left out may hold parts too
+            holdings = [report.region_copies for report in reports] + self.group.set_aside_copies()
+            return plan_region_restore(holdings, members=len(reports))
+        return plan_peer_restore([report.shard_copies for report in reports])
+
+    def _restore_from_peers(self, plan: PeerRestorePlan | RegionRestorePlan) -> tuple[str, dict[str, Any]]:
+        """Every member takes its part of ``plan``'s state from the copies the members kept; the state source's
+        label, and under model parallelism what moved."""
+        if isinstance(plan, RegionRestorePlan):
+            traffic = self.group.restore_regions(plan)
+            moved = {"previous_layout": plan.layout.describe(), "moved_bytes": sum(t.bytes_received for t in traffic),
+                     "moved_from": sorted({sender for t in traffic for sender in t.senders})}
+            return "buddy" if plan.from_buddies else "peers", moved
+        self.group.restore_from_peers(plan)
+        return "buddy" if plan.from_buddies else "peers", {}
 
     def _train(self, state: Running) -> RunState:
         """One poll of the training generation (started first, at the first transition): the poll's observers take
@@ -289,11 +314,9 @@ class Controller:
         """At a step boundary: drained workers leave, ready joiners come in. Sharded state the leavers hold is
         saved by the old group first; the new one loads it, resharded, where the members' copies do not hold the
         same step (a leaver whose buddy leaves with it, or no buddy copy). With nobody leaving, every shard stays
-        in the members' memory and goes over to the new layout from there; under model parallelism, which keeps
-        no copies, it is saved first too. Nothing is discarded."""
+        in the members' memory and goes over to the new layout from there. Nothing is discarded."""
         restore = None
-        kept_in_memory = self.job.parallel.model_parallel == 1  # the members' shard copies (no model parallelism)
-        if not self.replicated and (self.group.num_leaving or not kept_in_memory):
+        if not self.replicated and self.group.num_leaving:
             path = self.group.save_checkpoint()
             self.log.event("checkpointed", self.step, path=path, reason="membership change")
             restore = Checkpoint(path, read_manifest(path))

@@ -30,6 +30,7 @@ from raylastic.jobconfig.parallel import ParallelConfig
 from raylastic.strategies.checkpoint_catalogue import Checkpoint
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.peer_restore import PeerRestorePlan
+from raylastic.strategies.region_plan import RegionRestorePlan
 from raylastic.strategies.shard_layout import effective_replicas
 
 # -- scaling --------------------------------------------------------------------------------------------------
@@ -300,9 +301,10 @@ class FromRank:
 
 @dataclass(frozen=True)
 class FromPeers:
-    """Sharded state the members kept in memory, every shard sent by a holder and resharded to the new group."""
+    """Sharded state the members kept in memory, every shard sent by a holder and resharded to the new group (under
+    model parallelism every part, re-laid out)."""
 
-    plan: PeerRestorePlan
+    plan: PeerRestorePlan | RegionRestorePlan
 
 
 @dataclass(frozen=True)
@@ -334,7 +336,7 @@ StateSource = FromCheckpoint | FromRank | FromPeers | FromSeed | StateLost
 
 
 def needs_checkpoint_lookup(*, replicated: bool, pending: Checkpoint | None, member_steps: list[int], run_step: int,
-                            peer_plan: PeerRestorePlan | None) -> bool:
+                            peer_plan: PeerRestorePlan | RegionRestorePlan | None) -> bool:
     """Whether the members may lack the run's newest state, so the newest checkpoint must be looked at: every
     replicated holder of it was lost, or some shard has no surviving copy."""
     if pending is not None:
@@ -345,7 +347,7 @@ def needs_checkpoint_lookup(*, replicated: bool, pending: Checkpoint | None, mem
 
 
 def choose_state_source(*, replicated: bool, pending: Checkpoint | None, member_steps: list[int],
-                        run_step: int, peer_plan: PeerRestorePlan | None = None,
+                        run_step: int, peer_plan: PeerRestorePlan | RegionRestorePlan | None = None,
                         newest_checkpoint: Checkpoint | None = None) -> StateSource:
     """Where generation g's state comes from.
 

@@ -33,6 +33,7 @@ from raylastic.jobconfig import (
 from raylastic.strategies.checkpoint_catalogue import CheckpointSettings
 from raylastic.strategies.group_assignment import GroupAssignment
 from raylastic.strategies.peer_restore import PeerRestorePlan, ShardCopy
+from raylastic.strategies.region_plan import RegionCopy, RegionRestorePlan, RestoreTraffic
 
 
 class TrainingThreadHung(RuntimeError):
@@ -81,6 +82,9 @@ class JoinReport:
     shard_copies: tuple[ShardCopy, ...] = ()
     """Sharded strategies: the shards of an earlier generation's state this worker keeps in memory (its own,
     and its buddy's), for ``plan_peer_restore``; none for a new worker, a replicated strategy, at step 0."""
+    region_copies: tuple[RegionCopy, ...] = ()
+    """Under model parallelism: its part of an earlier generation's state, kept in memory, for
+    ``plan_region_restore``; none for a new worker, at step 0."""
 
 
 class TrainWorkerProcess:
@@ -101,8 +105,11 @@ class TrainWorkerProcess:
     def join(self, assignment: GroupAssignment) -> JoinReport:
         return self.worker.join(assignment)
 
-    def leave(self, collective_timeout_s: float) -> None:
+    def leave(self, collective_timeout_s: float) -> tuple[RegionCopy, ...]:
         return self.worker.leave(collective_timeout_s)
+
+    def kept_part(self, copy: RegionCopy) -> Any:
+        return self.worker.kept_part(copy)
 
     def sync_state(self, source_rank: int) -> int:
         return self.worker.sync_state(source_rank)
@@ -112,6 +119,10 @@ class TrainWorkerProcess:
 
     def restore_from_peers(self, plan: PeerRestorePlan) -> int:
         return self.worker.restore_from_peers(plan)
+
+    def restore_regions(self, plan: RegionRestorePlan, *delivered: Any) -> RestoreTraffic:
+        """``delivered``: parts spares kept (KeptRegions), sent here through Ray's object store."""
+        return self.worker.restore_regions(plan, *delivered)
 
     def train(self, until_step: int, faults: tuple[FaultConfig, ...] = (), shares: tuple[int, ...] | None = None
               ) -> None:

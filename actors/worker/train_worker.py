@@ -21,6 +21,7 @@ the checkpoint saves (actors/worker/saver.py) and fault injection (actors/faults
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import io
@@ -54,7 +55,7 @@ from raylastic.jobconfig import (
     FaultConfig,
 )
 from raylastic.strategies.base import GroupContext, TrainState, init_optimizer_state, load_scaler, memory_breakdown
-from raylastic.strategies.buddy_copy import BuddyCopies
+from raylastic.strategies.buddy_copy import BuddyCopies, RegionBuddyCopies
 from raylastic.strategies.build import build_strategy
 from raylastic.strategies.checkpoint import Checkpointer, load_into, verify_for_load
 from raylastic.strategies.emulated_link import EmulatedLink
@@ -64,6 +65,8 @@ from raylastic.strategies.parallel_mesh import ParallelMesh, parallel_mesh
 from raylastic.strategies.peer_restore import PeerRestorePlan
 from raylastic.strategies.plain_objects import all_gather_plain
 from raylastic.strategies.process_group import choose_backend, choose_device, join_group, leave_group
+from raylastic.strategies.region_copy import KeptRegions, keep_regions, restore_regions
+from raylastic.strategies.region_plan import RegionCopy, RegionRestorePlan, RestoreTraffic
 from raylastic.strategies.shard_copy import KeptShards, gather_shards, keep_shards, load_full_state
 from raylastic.strategies.shard_layout import effective_replicas
 from raylastic.workloads import load_workload
@@ -124,6 +127,10 @@ class TrainWorker:
         """The generation's model-parallel mesh (parallel.tp > 1); None without model parallelism."""
         self._kept: list[KeptShards] = []
         """Sharded strategies: this worker's CPU copies of shards of an earlier generation's state."""
+        self._kept_regions: list[KeptRegions] = []
+        """Under model parallelism: this worker's CPU copy of its part of an earlier generation's state."""
+        self._rank: int | None = None
+        """This worker's rank in the current generation."""
         self.copies: BuddyCopies | None = None
         """Sharded strategies with one copy of the state: this generation's buddy exchange."""
         self._holds_run_state = False
@@ -150,7 +157,7 @@ class TrainWorker:
         store = RayStore(assignment.store, timeout=timedelta(seconds=assignment.timeout_s))
         self.rendezvous_stores.append(store)
         join_group(assignment, self.backend, store)
-        self._generation = assignment.generation
+        self._generation, self._rank = assignment.generation, assignment.rank
         self._mesh = parallel_mesh(self.device, assignment.layout) if assignment.layout is not None else None
         self.runner.layout = self.evaluator.layout = assignment.layout
         timeout = timedelta(seconds=assignment.timeout_s)
@@ -171,20 +178,31 @@ class TrainWorker:
         self.runner.clock.attach(self.state.model)
         self.saver.attach(self.state, self.checkpoint_group, assignment.layout)
         if copies_group is not None:
-            self.copies = BuddyCopies(group=copies_group, layout=self.state.layout, generation=assignment.generation,
-                                      timeout_s=assignment.timeout_s, pin_memory=self.device.type == "cuda")
+            self.copies = (RegionBuddyCopies(group=copies_group, layout=assignment.layout, rank=assignment.rank,
+                                             generation=assignment.generation, timeout_s=assignment.timeout_s,
+                                             pin_memory=self.device.type == "cuda")
+                           if assignment.layout is not None else
+                           BuddyCopies(group=copies_group, layout=self.state.layout, generation=assignment.generation,
+                                       timeout_s=assignment.timeout_s, pin_memory=self.device.type == "cuda"))
         if previous is None and not self.strategy.replicated:
             self.status.step = 0
         self.status.set_phase("idle")
         self.loop.forget_stop_request()
         return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.status.step,
-                          shard_copies=tuple(kept.copy for kept in self._kept))
+                          shard_copies=tuple(kept.copy for kept in self._kept),
+                          region_copies=tuple(kept.copy for kept in self._kept_regions))
 
-    def leave(self, collective_timeout_s: float) -> None:
+    def leave(self, collective_timeout_s: float) -> tuple[RegionCopy, ...]:
         """Leave the current group without joining another (a spare again: a generation's layout left this worker
-        out). Its peers blocked in a collective with it fail now instead of at the collective timeout."""
+        out). Its peers blocked in a collective with it fail now instead of at the collective timeout. Returns the
+        parts of the state it keeps (``kept_part`` hands one over)."""
         self._leave(collective_timeout_s)
         leave_group()
+        return tuple(kept.copy for kept in self._kept_regions)
+
+    def kept_part(self, copy: RegionCopy) -> KeptRegions:
+        """A spare's kept part ``copy``, for the member that sends it in a restore (through Ray's object store)."""
+        return next(kept for kept in self._kept_regions if kept.copy == copy)
 
     def _leave(self, collective_timeout_s: float) -> TrainState | None:
         """End the current generation's work and let go of its state and groups; the state a replicated strategy
@@ -207,28 +225,35 @@ class TrainWorker:
 
     def _keeps_buddy_copies(self, assignment: GroupAssignment) -> bool:
         """Whether this generation's sharded state exists once (one copy: strategy.replicas 1, or a world size it
-        does not divide), so each rank's shard is also sent to its buddy after every step. Not under model
-        parallelism: its shards are not the row shards of the whole group that the copies are made of."""
-        strategy = self.spec.strategy
-        return (not self.strategy.replicated and strategy.buddy_copy and assignment.world_size > 1
-                and assignment.layout is None and effective_replicas(strategy.replicas, assignment.world_size) == 1)
+        does not divide; under model parallelism no data-parallel copies), so each rank's shard (its part) is also
+        sent to its buddy after every step."""
+        strategy, layout = self.spec.strategy, assignment.layout
+        copies = (layout.dp_replicate if layout is not None
+                  else effective_replicas(strategy.replicas, assignment.world_size))
+        return not self.strategy.replicated and strategy.buddy_copy and assignment.world_size > 1 and copies == 1
 
     def _keep_shards(self) -> None:
         """Sharded strategies, before the state goes: keep this rank's shard of it in CPU memory, with the copies
-        its buddy exchange holds. A state that is not the run's (a join, then no restore) leaves the copies made
-        before it, which are still the run's."""
-        if self.strategy.replicated or self.state is None or not self._holds_run_state or self._mesh is not None:
+        its buddy exchange holds (under model parallelism: its part, ``keep_regions``). A state that is not the
+        run's (a join, then no restore) leaves the copies made before it, which are still the run's."""
+        if self.strategy.replicated or self.state is None or not self._holds_run_state:
             return
         self._holds_run_state = False
         kept = self.copies.kept() if self.copies is not None else []
         if not any(k.copy.holder == "own" and k.copy.step == self.status.step for k in kept):
             try:
-                live = keep_shards(self.strategy, self.state, self.runner.scaler, generation=self._generation,
-                                   step=self.status.step)
+                live = (keep_regions(self.strategy, self.state, copy=RegionCopy(
+                            generation=self._generation, layout=self._mesh.layout, rank=self._rank,
+                            step=self.status.step)) if self._mesh is not None else
+                        keep_shards(self.strategy, self.state, self.runner.scaler, generation=self._generation,
+                                    step=self.status.step))
                 kept += [live] if live is not None else []
             except Exception:  # noqa: BLE001 - a copy spares a checkpoint load; failing to make one must not end the run
                 logger.warning("no copy of this rank's shard is kept for the next generation", exc_info=True)
-        self._kept = kept
+        if self._mesh is not None:
+            self._kept_regions = kept
+        else:
+            self._kept = kept
 
     def sync_state(self, source_rank: int) -> int:
         """Replicated strategies: receive (or send, on ``source_rank``) model, optimizer and step (the strategy's
@@ -270,12 +295,26 @@ class TrainWorker:
         self._now_holds_run_state()
         return self.status.step
 
+    def restore_regions(self, plan: RegionRestorePlan, *delivered: KeptRegions) -> RestoreTraffic:
+        """Collective, under model parallelism: lay the state of ``plan`` (``plan_region_restore`` of the members'
+        JoinReports) out in this generation's layout from the parts the members kept, and the parts spares kept
+        that were ``delivered`` to this rank, each rank receiving, point to point, only the regions it lacks; no
+        file is read. Returns what this rank received."""
+        traffic = restore_regions(self._kept_regions + list(delivered), plan, self.strategy, self.state,
+                                  group=self.checkpoint_group)
+        delivered_bytes = sum(tensor.numel() * tensor.element_size() for kept in delivered
+                              for _, tensor in kept.parts.values())
+        traffic = dataclasses.replace(traffic, bytes_received=traffic.bytes_received + delivered_bytes)
+        self.status.step = plan.step
+        self._now_holds_run_state()
+        return traffic
+
     def _now_holds_run_state(self) -> None:
         """The live state is the run's from now on: copies kept from an earlier generation are obsolete once this
         generation's buddy exchange has made its own."""
-        if self._kept and self.copies is not None:
-            self.copies.inherited = self._kept
-        self._kept, self._holds_run_state = [], True
+        if (self._kept or self._kept_regions) and self.copies is not None:
+            self.copies.inherited = self._kept or self._kept_regions
+        self._kept, self._kept_regions, self._holds_run_state = [], [], True
 
     def train(self, until_step: int, faults: tuple[FaultConfig, ...] = (), shares: tuple[int, ...] | None = None
               ) -> None:

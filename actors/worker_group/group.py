@@ -48,8 +48,9 @@ from raylastic.actors.worker_group.poller import GenerationPoller, death_reason
 from raylastic.jobconfig import FaultConfig, JobConfig
 from raylastic.strategies.checkpoint_catalogue import CheckpointSettings
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
-from raylastic.strategies.parallel_layout import ParallelLayout, rank_order
+from raylastic.strategies.parallel_layout import ParallelLayout, in_place_order
 from raylastic.strategies.peer_restore import PeerRestorePlan
+from raylastic.strategies.region_plan import RegionCopy, RegionRestorePlan, RestoreTraffic
 
 START_GRACE_S = 1.0
 """After min_workers are placed, how long the start waits for the rest of max_workers."""
@@ -84,6 +85,10 @@ class WorkerGroup:
         self.generation = -1
         self.ranked: list[Member] = []
         """The members of the generation formed last, in rank order."""
+        self.layout: ParallelLayout | None = None
+        """The model-parallel layout of the generation formed last."""
+        self.set_aside: list[tuple[Member, Any]] = []
+        """The members that generation's layout left out, with their ``leave`` calls (the parts they kept)."""
         self._poller: GenerationPoller | None = None
         self._draining_nodes: dict[str, float | None] = {}
         self._notices_read_at = -NOTICE_POLL_S
@@ -215,17 +220,23 @@ class WorkerGroup:
     def form(self, *, run_step: int, layout: ParallelLayout | None = None) -> list[JoinReport]:
         """Every member leaves its old group and joins generation g+1; their JoinReports, in rank order.
 
-        With a model-parallel ``layout``, the members are ranked so that each tp group shares a node where it can
-        (``rank_order``), and those beyond the layout's ranks leave their group and wait as spares (a peer blocked
-        in a collective with one of them fails at once, as with a member that left)."""
+        With a model-parallel ``layout``, the members are ranked so that what each holds of the previous
+        generation's state stays where it is and each tp group shares a node where it can (``in_place_order``),
+        and those beyond the layout's ranks leave their group and wait as spares (a peer blocked in a collective
+        with one of them fails at once, as with a member that left)."""
         self.generation += 1
         if layout is not None:
             members = self.membership.members
-            order = rank_order([m.node_id or self.membership.slots.node_of(m.slot) for m in members], layout.tp)
-            for index in order[layout.world_size:]:
-                members[index].actor.leave.remote(self.collective_timeout_s)  # a spare's failure is found as a spare's
+            previous = {id(member): rank for rank, member in enumerate(self.ranked)}
+            previous_ranks = [previous.get(id(member)) for member in members]
+            order = in_place_order(self.layout, previous_ranks, layout,
+                                   [m.node_id or self.membership.slots.node_of(m.slot) for m in members])
+            self.set_aside = [(members[index], members[index].actor.leave.remote(self.collective_timeout_s))
+                              for index in order[layout.world_size:]]  # a spare's failure is found as a spare's
             self.membership.rank([members[index] for index in order[:layout.world_size]])
-        self.ranked = list(self.membership.members)
+        else:
+            self.set_aside = []
+        self.ranked, self.layout = list(self.membership.members), layout
         reports = self._call_all("join", [(GroupAssignment(
             generation=self.generation, rank=rank, world_size=self.size, store=self.store,
             store_prefix=self.store_prefix, timeout_s=self.collective_timeout_s,
@@ -247,6 +258,27 @@ class WorkerGroup:
     def restore_from_peers(self, plan: PeerRestorePlan) -> None:
         """Every member takes its shards of the new layout from the copies ``plan`` names."""
         self._call_all("restore_from_peers", [(plan,)] * self.size)
+
+    def set_aside_copies(self) -> list[tuple[RegionCopy, ...]]:
+        """The parts of the state each member set aside by the last formation kept (none from one that did not
+        answer within the collective timeout), in ``set_aside`` order."""
+        calls = [call for _, call in self.set_aside]
+        if calls:
+            ray.wait(calls, num_returns=len(calls), timeout=self.collective_timeout_s + COLLECTIVE_GRACE_S)
+        kept = []
+        for call in calls:
+            try:
+                kept.append(ray.get(call, timeout=0))
+            except Exception:  # noqa: BLE001 - a spare lost or slow: its parts are not used
+                kept.append(())
+        return kept
+
+    def restore_regions(self, plan: RegionRestorePlan) -> list[RestoreTraffic]:
+        """Every member lays the state of ``plan`` out in the new layout from the parts the members kept and those
+        handed to it from spares (``plan.deliveries``, through Ray's object store); what each received."""
+        handed = [[self.set_aside[index - self.size][0].actor.kept_part.remote(copy)
+                   for index, copy in plan.deliveries.get(rank, ())] for rank in range(self.size)]
+        return self._call_all("restore_regions", [(plan, *refs) for refs in handed])
 
     def restore(self, path: str, step: int) -> str | None:
         """Every member loads the checkpoint at ``path`` (of ``step``); why its files were refused (an altered

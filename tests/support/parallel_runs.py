@@ -24,6 +24,8 @@ from raylastic.strategies.build import build_strategy
 from raylastic.strategies.checkpoint import Checkpointer, load_into
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.parallel_mesh import parallel_mesh
+from raylastic.strategies.region_copy import keep_regions, restore_regions
+from raylastic.strategies.region_plan import RegionCopy, plan_region_restore
 from raylastic.workloads import load_workload
 from raylastic.workloads.chargpt import GPT
 from raylastic.workloads.gpt_parallel import parallelize_gpt
@@ -172,3 +174,43 @@ def pipeline_train_and_report(layout: ParallelLayout, strategy_name: str, schedu
     if dist.get_rank() != 0:
         return {}
     return {"state": {k: v for stage in stages for k, v in stage.items()}, "reported": reported, "metrics": metrics}
+
+
+def relayout_and_report(old: ParallelLayout, old_strategy: str, new: ParallelLayout | None, new_strategy: str,
+                        lost: tuple[int, ...]) -> dict[str, Any]:
+    """Train ``STEPS`` steps of ``UNTIED`` at ``old`` (a pipeline by 1f1b where pp > 1), keep every rank's part
+    (strategies/region_copy.py), forget the parts of the ranks in ``lost``, then set up ``new`` on the same
+    ranks and restore it from the parts the others kept; on rank 0: the state trained, the state restored
+    (both whole), the plan and every rank's traffic."""
+    _, strategy, state, runner = setup(old, old_strategy, "fp32", UNTIED, "none", "1f1b",
+                                       old.pp if old.pp > 1 else None)
+    for step in range(STEPS):
+        runner.run(state, step)
+    group = runner.pipeline.group if runner.pipeline is not None else None
+    trained = _whole_over_stages(strategy, state, group, old.pp)
+    rank = dist.get_rank()
+    kept = keep_regions(strategy, state, copy=RegionCopy(0, old, rank, STEPS))
+    holdings = [None] * dist.get_world_size()
+    dist.all_gather_object(holdings, [] if rank in lost else [kept.copy])
+    plan = plan_region_restore(holdings)
+    del state, runner
+    _, strategy, state, runner = setup(new, new_strategy, "fp32", UNTIED, "none", "1f1b",
+                                       new.pp if new is not None and new.pp > 1 else None)
+    traffic = restore_regions([] if rank in lost else [kept], plan, strategy, state)
+    group = runner.pipeline.group if runner.pipeline is not None else None
+    restored = _whole_over_stages(strategy, state, group, new.pp if new is not None else 1)
+    traffic_by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(traffic_by_rank, traffic)
+    if rank != 0:
+        return {}
+    return {"trained": trained, "restored": restored, "plan": plan, "traffic": traffic_by_rank}
+
+
+def _whole_over_stages(strategy, state, pipeline_group, pp: int) -> dict[str, torch.Tensor]:
+    """The whole canonical state: each stage's gathered whole, the stages' put together (collective)."""
+    mine = whole_state(strategy, state)
+    if pp == 1:
+        return mine
+    stages = [None] * pp
+    dist.all_gather_object(stages, mine, group=pipeline_group)
+    return {key: value for stage in stages for key, value in stage.items()}

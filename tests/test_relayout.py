@@ -1,0 +1,93 @@
+"""Re-planning a model-parallel state in place (issue 33): the parts the survivors of one layout kept in memory
+(strategies/region_copy.py) make the state of another, each rank receiving only the regions it lacks
+(strategies/region_plan.py plans who sends what).
+
+    python -m pytest tests/test_relayout.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylastic.cluster.job import train
+from raylastic.strategies.parallel_layout import ParallelLayout
+from raylastic.strategies.region_plan import RegionCopy, plan_region_restore
+from raylastic.workloads import load_workload
+from tests.support.distributed_harness import run_distributed
+from tests.support.helpers import applied_samples, assert_states_close, job, load_model
+from tests.support.parallel_runs import relayout_and_report
+from tests.support.strategy_runs import undisturbed_run
+
+
+@pytest.mark.parametrize(("old", "old_strategy", "new", "new_strategy", "lost"), [
+    pytest.param(ParallelLayout(pp=2, dp_replicate=2), "ddp", ParallelLayout(dp_shard=2, tp=2), "zero3", (1,),
+                 id="pp2-dp2-to-dp2-tp2"),
+    pytest.param(ParallelLayout(dp_replicate=2, tp=2), "ddp", ParallelLayout(pp=2, tp=2), "zero2", (3,),
+                 id="dp2-tp2-to-pp2-tp2"),
+    pytest.param(ParallelLayout(pp=2, tp=2), "zero3", None, "zero3", (),
+                 id="pp2-tp2-to-dp4"),
+])
+def test_a_state_kept_in_parts_is_laid_out_anew_exactly(old, old_strategy, new, new_strategy, lost):
+    got = run_distributed(relayout_and_report, old.world_size, old, old_strategy, new, new_strategy, lost,
+                          timeout_s=240)[0]
+    assert got["restored"].keys() == got["trained"].keys()
+    for key, tensor in got["trained"].items():
+        assert torch.equal(got["restored"][key], tensor), key
+    assert all(sender not in lost for sender in got["plan"].senders.values())
+    for rank in lost:  # a rank without copies receives all it holds, the others only what they lack
+        assert got["traffic"][rank].bytes_received > 0
+
+
+def test_the_plan_takes_the_newest_complete_state_from_the_lowest_holders():
+    layout = ParallelLayout(pp=2, dp_replicate=2)
+    copies = [[RegionCopy(3, layout, old, 40)] for old in (0, 2, 3)]
+    plan = plan_region_restore(copies)
+    assert (plan.step, plan.senders) == (40, {(0, 0, 0): 0, (1, 0, 0): 1})
+    assert plan_region_restore([copies[1], copies[2]]) is None  # stage 0 lost with both its copies
+    older = [RegionCopy(2, layout, old, 39) for old in range(4)]
+    assert plan_region_restore([copies[0] + older[:2], copies[1] + older[2:]]).step == 40
+    sharded = ParallelLayout(pp=2, dp_shard=2)
+    assert plan_region_restore([[RegionCopy(0, sharded, old, 5)] for old in (0, 1, 2)]) is None  # piece (1, 1, 0)
+
+
+def test_a_buddy_copy_stands_in_for_a_lost_part_and_a_spares_part_is_handed_to_a_member():
+    """pp2 x tp2, old rank 1 lost: old rank 2 holds its buddy copy (of the step before: the newest exchange did not
+    complete), every survivor its own part of that step; the layout takes two members, old rank 3 waits as a
+    spare, so its part is handed to a member, which sends it on."""
+    layout = ParallelLayout(pp=2, tp=2)
+    own = {old: [RegionCopy(0, layout, old, step) for step in (3, 4)] for old in (0, 2, 3)}
+    buddy = RegionCopy(0, layout, 1, 3, holder="buddy")
+    plan = plan_region_restore([own[0], own[2] + [buddy], own[3]], members=2)
+    assert (plan.step, plan.from_buddies) == (3, ((0, 0, 1),))
+    assert plan.senders == {(0, 0, 0): 0, (0, 0, 1): 1, (1, 0, 0): 1, (1, 0, 1): 0}
+    assert plan.deliveries == {0: ((2, RegionCopy(0, layout, 3, 3)),)}
+    assert plan_region_restore([own[0], own[2], own[3]], members=2) is None  # no copy of old rank 1's part
+
+
+PP_OPTIONS = ("workload.options={n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, corpus_chars: 30000, "
+              "tie_embeddings: false}")
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_dp2_pp2_run_that_loses_a_worker_goes_on_from_the_survivors_memory(tmp_path):
+    """Two copies of a two-stage pipeline (ddp over them) on 4 workers; rank 2 (a copy of stage 1) is killed at step
+    5, no checkpoint written: the survivors re-form as one pipeline in place (the other copy of stage 0 waits as a
+    spare), so no byte moves; at most the step in flight is redone, and the run ends with an undisturbed run's
+    parameters and every step applied once."""
+    steps = 8
+    disturbed = job("workload.name=chargpt", PP_OPTIONS, "parallel.pp=2", "strategy.name=ddp",
+                    "scaling.min_workers=2", "scaling.max_workers=4", f"training.steps={steps}",
+                    "training.global_batch_size=8", "training.record_samples=true", "checkpoint.every_steps=0",
+                    "scaling.cpus_per_worker=0.25", "faults=[{action: kill, rank: 2, step: 5}]", name="dp-pp-kill")
+    result = train(disturbed, run_dir=tmp_path / "run")
+    formed = [e for e in result.events if e.type == "generation_formed"]
+    first, recovered = formed[0], formed[1]
+    assert (first.details["layout"], first.details["state_source"]) == ("pp2 x dp2 (2 copies)", "initialisation")
+    assert (recovered.details["layout"], recovered.details["state_source"]) == ("pp2", "peers"), formed
+    assert (recovered.details["previous_layout"], recovered.details["moved_bytes"]) == ("pp2 x dp2 (2 copies)", 0)
+    assert recovered.details["steps_lost"] <= 1 and recovered.step >= 4
+    num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
+    samples, parameters = undisturbed_run(disturbed, num_samples)
+    assert applied_samples(result.ledger, steps, num_samples) == samples
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)
