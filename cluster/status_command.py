@@ -153,8 +153,9 @@ def print_status(run: str, report: StatusReport, out: Console) -> None:
     from raylastic.cluster.progress import format_event
 
     status = report.status
+    layout = f"  layout {status.layout}" if status.layout else ""
     out.print(f"run {run}: {status.state}  step {status.step}  generation {status.generation}  "
-              f"world size {status.world_size}  failures {status.failures}")
+              f"world size {status.world_size}{layout}  failures {status.failures}")
     if (row := report.last_row) is not None:
         out.print(f"last step {row['step']}: loss {row['loss']:.4f}  {row['samples_per_s']:.0f} samples/s")
     row = report.last_row if report.last_row and report.last_row.get("world_size") == len(status.members) else {}

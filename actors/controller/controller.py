@@ -167,7 +167,8 @@ class Controller:
         return RunStatus(state=self.state.name, generation=self.group.generation, world_size=self.group.size,
                          step=self.step, members=self.group.member_names, failures=self.failures,
                          history=self.log.history(history_since), events=self.log.events(events_since),
-                         evaluations=self.log.evaluations(evaluations_since))
+                         evaluations=self.log.evaluations(evaluations_since),
+                         layout=self.group.layout.describe() if self.group.layout is not None else None)
 
     def drain(self, *, rank: int | None = None, node_id: str | None = None) -> list[str]:
         """Planned removal: the worker of ``rank`` (or every worker on ``node_id``) leaves at the next

@@ -72,6 +72,8 @@ class RunStatus:
     history: list[dict[str, Any]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     evaluations: list[dict[str, Any]] = field(default_factory=list)
+    layout: str | None = None
+    """The current generation's model-parallel layout (``pp2 x dp2``); None without model parallelism."""
 
 
 @dataclass(frozen=True)
