@@ -148,6 +148,9 @@ def test_a_generation_trains_whole_tp_groups_and_spares_complete_one():
     assert scaling.decide(ScalingState(num_workers=2, num_placeable=0, num_spares_ready=1)) == Noop()
     grown = scaling.decide(ScalingState(num_workers=2, num_placeable=1, num_spares_ready=1))
     assert (grown.num_workers, grown.from_spares) == (4, 1)
+    # the spare taken alone completes no tp pair: no boundary until the new worker is built too
+    assert [scaling.grows_at_a_boundary(world_size=2, ready=ready) for ready in (0, 1, 2)] == [False, False, True]
+    assert ScalingPolicy(min_workers=1, max_workers=4).grows_at_a_boundary(world_size=2, ready=1)
     policy = LayoutPolicy(parallel=ParallelConfig(tp=2), replicas=4, global_batch_size=8)  # ddp: a copy per dp rank
     assert policy.decide(3) == ParallelLayout(dp_replicate=1, tp=2)
     assert policy.decide(4) == ParallelLayout(dp_replicate=2, tp=2)

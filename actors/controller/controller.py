@@ -306,7 +306,8 @@ class Controller:
         taken = self.group.grow(wanted, spares=self.policies.scaling.spares_to_start(state, decision))
         if taken:
             self.log.event("spares_taken", self.step, workers=taken, reason="scale-up")
-        if status.membership_change_ready or taken:
+        if status.draining or self.policies.scaling.grows_at_a_boundary(world_size=status.world_size,
+                                                                        ready=status.num_joiners_ready + taken):
             self.group.request_boundary()
             return True
         return False

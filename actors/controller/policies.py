@@ -87,6 +87,11 @@ class ScalingPolicy:
         slots_left = state.num_placeable - (grown - taken)
         return max(0, min(slots_left, self.spare_workers - (state.num_spares - taken)))
 
+    def grows_at_a_boundary(self, *, world_size: int, ready: int) -> bool:
+        """Whether ``ready`` workers (joiners built, spares taken) joining a generation of ``world_size`` would train
+        more of them: not when they complete no tp x pp group (they would only wait as spares)."""
+        return ready > 0 and trained_workers(world_size + ready, self.unit) > trained_workers(world_size, self.unit)
+
     def spares_to_take(self, *, num_workers: int, num_spares_ready: int) -> int:
         """After a failure: ready spares that bring the group back towards max_workers at once."""
         return max(0, min(num_spares_ready, self.max_workers - num_workers))

@@ -83,10 +83,6 @@ class GroupStatus:
     def world_size(self) -> int:
         return len(self.members)
 
-    @property
-    def membership_change_ready(self) -> bool:
-        return self.draining or self.num_joiners_ready > 0
-
 
 # -- failures, as the Controller receives them: from a poll (the GenerationJudge) or from a call on the members --
 
