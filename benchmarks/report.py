@@ -38,7 +38,7 @@ TITLES = {  # page order; a result file not named here gets a generic section af
     "checkpoint": "Checkpoints",
     "communication": "Communication",
     "slow_links": "Slow links: time to a target loss",
-    "model_parallel": "Model parallelism: tensor-parallel layouts against torchrun",
+    "model_parallel": "Model parallelism: layouts against torchrun",
     "rendezvous": "Rendezvous: the store over Ray against TCPStore",
 }
 

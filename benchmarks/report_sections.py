@@ -314,16 +314,20 @@ def slow_links(result: dict) -> list[str]:
 
 
 def model_parallel(result: dict) -> list[str]:
+    def ratios(by_kind: dict[str, float]) -> str:
+        return ", ".join(f"{by_kind[kind]:.2f}" for kind in ("parameters", "gradients", "optimizer"))
+
     rows = [[r["layout"], fmt(statistics.median(m["samples_per_s"] for m in r["ours"]), 1),
              fmt(statistics.median(m["samples_per_s"] for m in r["torchrun"]), 1),
-             f"**{r['ratio_ours_over_torchrun']:.3f}**",
-             ", ".join(f"{r['memory_over_formula'][kind]:.2f}" for kind in ("parameters", "gradients", "optimizer"))]
+             f"**{r['ratio_ours_over_torchrun']:.3f}**", ratios(r["memory_over_formula"]),
+             ratios(r["mean_memory_over_formula"]) if "mean_memory_over_formula" in r else "-"]
             for r in result["results"]]
     first = result["results"][0]
     return [f"Ours / a torchrun script of the same torch APIs, steady-state samples/s, {result['num_workers']} "
-            f"workers (goal: at least {result['goal_ratio']}), and each rank's memory over the formula:", "",
+            f"workers (goal: at least {result['goal_ratio']}), and memory over the formula (the largest rank's, the "
+            "ranks' mean):", "",
             table(["layout", "ours samples/s", "torchrun", "ratio of medians",
-                   "memory / formula (parameters, gradients, optimizer)"], rows), "",
+                   "largest rank / formula (parameters, gradients, optimizer)", "mean / formula"], rows), "",
             f"{len(first['ours'])} rounds per layout, {first['steps']} steps, "
             f"global batch {first['global_batch_size']}."]
 

@@ -77,6 +77,11 @@ class JobConfig:
                         f"below scaling.max_workers ({self.scaling.max_workers})", fault.rank)
             require(fault.step <= self.training.steps, f"faults[{index}].step",
                     f"at most training.steps ({self.training.steps})", fault.step)
+            require(fault.microbatch is None or (self.parallel.pp > 1
+                                                 and fault.microbatch < self.parallel.microbatches),
+                    f"faults[{index}].microbatch",
+                    f"null without parallel.pp > 1, else below parallel.pp_microbatches ({self.parallel.microbatches})",
+                    fault.microbatch)
 
     def _check_model_parallel(self) -> None:
         """What tensor and pipeline parallelism compose with (each refusal names the field and why)."""

@@ -128,11 +128,19 @@ class FaultConfig:
     """throttle only: the rank's steps take this many times their compute time (> 1), as a slower GPU's would."""
     until_step: int | None = None
     """throttle only: the last step it slows (None: to the end of the run)."""
+    microbatch: int | None = None
+    """kill, stall, raise under parallel.pp > 1: the fault fires inside the step, as the rank's stage is about to
+    run this micro-batch's forward (0-based; the pipeline's other ranks are then mid-schedule); None: before the
+    step."""
 
     def __post_init__(self) -> None:
         require(self.action in FAULT_ACTIONS, "faults[].action", self.ALLOWED["action"], self.action)
         require(is_non_negative_int(self.rank), "faults[].rank", self.ALLOWED["rank"], self.rank)
         require(is_positive_int(self.step), "faults[].step", self.ALLOWED["step"], self.step)
+        require(self.microbatch is None or (is_non_negative_int(self.microbatch)
+                                            and self.action in ("kill", "stall", "raise")),
+                "faults[].microbatch", "null, or a non-negative integer with action kill, stall or raise",
+                self.microbatch)
         if self.action != "throttle":
             if self.factor != 1.0 or self.until_step is not None:
                 raise ValueError(f"faults[].factor and faults[].until_step are for action throttle only, got "

@@ -11,12 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from raylastic.cluster.job import train
 from raylastic.strategies.checkpoint_catalogue import complete_checkpoints
 from raylastic.strategies.checkpoint_manifest import read_manifest
-from raylastic.strategies.export import load_full_model_state
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.workloads import load_workload
 from tests.support.distributed_harness import run_distributed
@@ -24,8 +22,8 @@ from tests.support.helpers import applied_samples, assert_states_close, job, loa
 from tests.support.parallel_runs import (
     ADAM_TOLERANCE,
     UNTIED,
+    assert_loads_exactly_at_tp2_and_dp4,
     pipeline_train_and_report,
-    restore_and_report,
     train_and_report,
 )
 from tests.support.strategy_runs import undisturbed_run
@@ -93,14 +91,7 @@ def test_a_checkpoint_of_interleaved_stages_loads_exactly_at_tp2_and_at_dp4_and_
                             str(tmp_path), timeout_s=240)[0]["state"]
     path = complete_checkpoints(str(tmp_path))[-1].path
     assert read_manifest(path).layout == dataclasses.asdict(layout)
-    at_tp2 = run_distributed(restore_and_report, 2, ParallelLayout(tp=2), path, "ddp", UNTIED, timeout_s=120)[0]
-    at_dp4 = run_distributed(restore_and_report, 4, None, path, "zero2", UNTIED, timeout_s=120)[0]
-    for loaded in (at_tp2, at_dp4):
-        assert loaded.keys() == saved.keys()
-        for key in saved:
-            assert torch.equal(loaded[key], saved[key]), key
-    exported = load_full_model_state(path)  # what `raylastic export` writes
-    assert exported.keys() == {key.removeprefix("model.") for key in saved if key.startswith("model.")}
+    assert_loads_exactly_at_tp2_and_dp4(path, saved, UNTIED)
 
 
 PP_OPTIONS = ("workload.options={n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, corpus_chars: 30000, "

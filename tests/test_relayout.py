@@ -91,3 +91,25 @@ def test_a_dp2_pp2_run_that_loses_a_worker_goes_on_from_the_survivors_memory(tmp
     samples, parameters = undisturbed_run(disturbed, num_samples)
     assert applied_samples(result.ledger, steps, num_samples) == samples
     assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_dp2_pp2_run_that_loses_a_worker_in_the_middle_of_a_pipeline_schedule_discards_that_step(tmp_path):
+    """Rank 2 (stage 1 of the first copy) is killed inside step 5, as it is about to run its second micro-batch's
+    forward: it has run the first micro-batch's, its peers are mid-schedule. No rank commits step 5; the
+    survivors re-form in place and redo it; the run ends with an undisturbed run's parameters, every step applied
+    once."""
+    steps = 6
+    disturbed = job("workload.name=chargpt", PP_OPTIONS, "parallel.pp=2", "strategy.name=ddp",
+                    "scaling.min_workers=2", "scaling.max_workers=4", f"training.steps={steps}",
+                    "training.global_batch_size=8", "training.record_samples=true", "checkpoint.every_steps=0",
+                    "scaling.cpus_per_worker=0.25", "faults=[{action: kill, rank: 2, step: 5, microbatch: 1}]",
+                    name="dp-pp-mid-kill")
+    result = train(disturbed, run_dir=tmp_path / "run")
+    recovered = [e for e in result.events if e.type == "generation_formed"][1]
+    assert (recovered.details["layout"], recovered.details["state_source"], recovered.step) == ("pp2", "peers", 4)
+    assert recovered.details["steps_lost"] == 0  # step 5 was in flight: nothing committed is redone
+    num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
+    samples, parameters = undisturbed_run(disturbed, num_samples)
+    assert applied_samples(result.ledger, steps, num_samples) == samples
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)

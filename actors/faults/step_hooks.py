@@ -42,6 +42,9 @@ class StepHook:
     def before_compute(self, step: int) -> None:
         """Inside the step, before its forward: what runs here counts as the step's compute."""
 
+    def before_microbatch(self, step: int, microbatch: int) -> None:
+        """Through a pipeline: inside the step's schedule, before this rank's stage runs ``microbatch``'s forward."""
+
     def after_step(self, result: StepResult) -> StepResult:
         """After the step's communication, before it is reported: the result to report."""
         return result
@@ -66,9 +69,15 @@ class FaultInjector(StepHook):
         self.faults = tuple(fault for fault in faults if fault.action != "throttle")
 
     def before_step(self, step: int) -> None:
-        """Fire the faults of ``step``, in their order; only ``raise`` returns (by raising)."""
+        """Fire the faults of ``step`` (those not aimed at a micro-batch), in their order; only ``raise`` returns
+        (by raising)."""
         for fault in self.faults:
-            if fault.step == step:
+            if fault.step == step and fault.microbatch is None:
+                fire(fault)
+
+    def before_microbatch(self, step: int, microbatch: int) -> None:
+        for fault in self.faults:
+            if (fault.step, fault.microbatch) == (step, microbatch):
                 fire(fault)
 
 

@@ -43,12 +43,16 @@ ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
 class SeededStage(PipelineStage):
-    """A stage that seeds the RNG before each micro-batch's forward from ``chunk_seed(micro-batch index)``."""
+    """A stage that seeds the RNG before each micro-batch's forward from ``chunk_seed(micro-batch index)``, after
+    calling ``before_chunk`` (the step hooks')."""
 
     chunk_seed: Callable[[int], int]
+    before_chunk: Callable[[int], Any] | None = None
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
                           save_forward_output: bool = True) -> Any:
+        if self.before_chunk is not None:
+            self.before_chunk(fwd_chunk_id)
         seed_rng(self.chunk_seed(fwd_chunk_id), self.device)
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
@@ -137,10 +141,14 @@ class Pipeline:
             return []
         return [_plain(self.loss(activations[i:i + 1], targets[i:i + 1])).item() for i in range(len(targets))]
 
-    def step(self, step_index: int, position: int, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, step_index: int, position: int, inputs: torch.Tensor, targets: torch.Tensor,
+             before_microbatch: Callable[[int], Any] | None = None) -> torch.Tensor:
         """Forward and backward of this rank's share of step ``step_index`` (``position``: where it starts in the
-        global batch; its samples divide into the micro-batches); the summed loss where the last stage is, else 0."""
+        global batch; its samples divide into the micro-batches); the summed loss where the last stage is, else 0.
+        ``before_microbatch(index)`` is called before each of this rank's micro-batch forwards."""
         self.step_index, self.position = step_index, position
+        for stage in self.stages:
+            stage.before_chunk = before_microbatch
         self.samples_per_microbatch = len(targets) // self.microbatches
         losses: list[torch.Tensor] = []  # the weighted loss of each micro-batch (the last stage's)
         first = any(stage.is_first for stage in self.stages)

@@ -140,7 +140,8 @@ class StepRunner:
                     scale=self.scaler.scale if self.scaler else None, before_last=before_reduction,
                     stream=place.stream)
             else:
-                loss_sum = self._pipelined(step_index, batches, split.bounds(place.rank)[0], before_reduction)
+                loss_sum = self._pipelined(step_index, batches, split.bounds(place.rank)[0], before_reduction,
+                                           hooks)
         backward_returned = time.perf_counter()
         compute_s = self.clock.compute_s(backward_returned - started) if self.clock else backward_returned - started
         consumed = self._gather_sample_ids(indices, split, place) if self.record_samples else None
@@ -174,14 +175,20 @@ class StepRunner:
         return result
 
     def _pipelined(self, step_index: int, batches: Iterator[Any], position: int,
-                   before_reduction: Callable[[], None] | None) -> torch.Tensor:
+                   before_reduction: Callable[[], None] | None, hooks: Sequence[StepHook]) -> torch.Tensor:
         """This rank's stage of the step's forward and backward (its share is one batch of (inputs, targets)); the
         share's summed loss on every stage of the pipeline, for the non-finite check and the report."""
         inputs, targets = to_device(next(batches), self.device)
         if before_reduction is not None:
             before_reduction()
+
+        def before_microbatch(chunk: int) -> None:
+            for hook in hooks:
+                hook.before_microbatch(step_index + 1, chunk)
+
         with self.autocast():
-            loss_sum = self.pipeline.step(step_index, position, inputs, targets).to(self.device)
+            loss_sum = self.pipeline.step(step_index, position, inputs, targets,
+                                          before_microbatch=before_microbatch if hooks else None).to(self.device)
         dist.all_reduce(loss_sum, group=self.pipeline.group)  # only the last stage computed it
         return loss_sum
 

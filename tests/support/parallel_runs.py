@@ -113,6 +113,25 @@ def restore_and_report(layout: ParallelLayout | None, directory: str, strategy_n
     return state_dict if dist.get_rank() == 0 else {}
 
 
+def assert_loads_exactly_at_tp2_and_dp4(path: str, saved: dict[str, torch.Tensor],
+                                        workload_spec: tuple[str, dict] = WORKLOAD) -> None:
+    """The checkpoint at ``path`` (of the whole state ``saved``) loads exactly at tp2 and at 4 data-parallel ranks,
+    and ``raylastic export`` writes its model whole (run in the test's process; it starts the ranks)."""
+    from raylastic.strategies.export import load_full_model_state
+    from tests.support.distributed_harness import run_distributed
+
+    at_tp2 = run_distributed(restore_and_report, 2, ParallelLayout(tp=2), path, "ddp", workload_spec, timeout_s=120)
+    at_dp4 = run_distributed(restore_and_report, 4, None, path, "zero2", workload_spec, timeout_s=120)
+    for loaded in (at_tp2[0], at_dp4[0]):
+        assert loaded.keys() == saved.keys()
+        for key in saved:
+            assert torch.equal(loaded[key], saved[key]), key
+    exported = load_full_model_state(path)  # what `raylastic export` writes
+    assert exported.keys() == {key.removeprefix("model.") for key in saved if key.startswith("model.")}
+    for key, tensor in exported.items():
+        assert torch.equal(tensor, saved[f"model.{key}"]), key
+
+
 def whole_state(strategy, state) -> dict[str, torch.Tensor]:
     """The canonical state with every DTensor gathered whole (collective)."""
     return {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
