@@ -68,6 +68,8 @@ class FakeGroup:
         """What Ray reports as draining, for every poll."""
         self.replicated = replicated
         self.shut_down = False
+        self.layout = None
+        """The generation's model-parallel layout: the fake forms data-parallel generations only."""
         self._spawned = workers
 
     # -- scripting ------------------------------------------------------------------------------------------
