@@ -33,8 +33,9 @@ class ParallelConfig:
     pp_schedule: PipelineSchedule = "1f1b"
     """The order in which micro-batches go forward and backward through the stages."""
     pp_microbatches: int | None = None
-    """Micro-batches a data-parallel rank's share of a step is cut into for the pipeline; None: as many as the
-    schedule's stages (pp x stages_on_each_rank)."""
+    """Micro-batches a data-parallel rank's share of a step is cut into for the pipeline at scaling.max_workers;
+    None: as many as the schedule's stages (pp x stages_on_each_rank). A layout with fewer data-parallel ranks
+    keeps a step's count where it can (each pipeline runs its share: ``choose_layout``)."""
     stages_per_rank: int | None = None
     """Stages on each pipeline rank; None: 1 for gpipe and 1f1b, 2 for interleaved_1f1b and zbv."""
 
@@ -63,9 +64,10 @@ class ParallelConfig:
         rule = self.microbatch_rule(self.pp)
         require(rule is None, "parallel.pp_microbatches", rule, self.microbatches)
 
-    def microbatch_rule(self, pp: int) -> str | None:
-        """What the schedule asks of the micro-batch count that ``pp`` pipeline ranks cannot have, or None."""
-        microbatches = self.microbatches
+    def microbatch_rule(self, pp: int, microbatches: int | None = None) -> str | None:
+        """What the schedule asks of the micro-batch count (``microbatches``, else the configured one) that ``pp``
+        pipeline ranks cannot have, or None."""
+        microbatches = self.microbatches if microbatches is None else microbatches
         if self.pp_schedule == "1f1b" and microbatches < pp:
             return f"at least parallel.pp ({pp}) with the 1f1b schedule"
         rounds = max(1, microbatches // pp)

@@ -41,6 +41,9 @@ class ParallelLayout:
     stages_per_rank: int = 1
     v_shape: bool = False
     """Whether each pipeline rank's two stages mirror each other (``stages``), else they loop."""
+    microbatches: int | None = None
+    """The micro-batches each pipeline runs per step (the Controller keeps a step's count, and so their size,
+    across re-plans); None: ``parallel.pp_microbatches``."""
 
     def __post_init__(self) -> None:
         if min(self.pp, self.dp_replicate, self.dp_shard, self.tp, self.stages_per_rank) < 1:
@@ -100,6 +103,10 @@ class ParallelLayout:
         parts = [f"pp{self.pp}{stages}" if self.pp > 1 else "", f"dp{self.dp}{copies}" if self.dp > 1 else "",
                  f"tp{self.tp}" if self.tp > 1 else ""]
         return " x ".join(part for part in parts if part) or "dp1"
+
+    def details(self) -> dict:
+        """What an event says of the layout: ``describe()``, and through a pipeline its micro-batches per step."""
+        return {"layout": self.describe(), **({"microbatches": self.microbatches} if self.pp > 1 else {})}
 
 
 def rank_order(node_ids: Sequence[str], tp: int) -> list[int]:

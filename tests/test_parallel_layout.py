@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raylastic.actors.controller.policies import choose_layout
+from raylastic.actors.controller.policies import LayoutPolicy, choose_layout
 from raylastic.jobconfig.parallel import ParallelConfig
 from raylastic.strategies.parallel_layout import Coordinates, ParallelLayout, in_place_order, rank_order
 
@@ -80,15 +80,16 @@ def test_rank_order_puts_each_tp_group_on_one_node(nodes, tp, order):
 @pytest.mark.parametrize(("workers", "settings", "replicas", "batch", "layout"), [
     (4, {}, 1, 64, ParallelLayout(dp_shard=4)),                                  # data parallel only
     (4, {}, 2, 64, ParallelLayout(dp_replicate=2, dp_shard=2)),                  # HSDP over dp
-    (8, {"tp": 2, "pp": 2}, 1, 64, ParallelLayout(pp=2, dp_shard=2, tp=2)),
-    (7, {"tp": 2, "pp": 2}, 1, 64, ParallelLayout(pp=2, tp=2)),                  # three wait as spares
+    (8, {"tp": 2, "pp": 2}, 1, 64, ParallelLayout(pp=2, dp_shard=2, tp=2, microbatches=2)),
+    (7, {"tp": 2, "pp": 2}, 1, 64, ParallelLayout(pp=2, tp=2, microbatches=2)),  # three wait as spares
     (3, {"tp": 2, "pp": 2}, 1, 64, ParallelLayout(tp=2)),                        # pp given up before tp
     (2, {"tp": 4}, 1, 64, ParallelLayout(tp=2)),
-    (6, {"pp": 2}, 1, 48, ParallelLayout(pp=2, dp_shard=3)),                     # 48 = 3 dp x 2 mb x 8
-    (6, {"pp": 2, "pp_microbatches": 4}, 1, 40, ParallelLayout(pp=2, dp_shard=2)),  # 3 x 4 does not divide 40
+    (6, {"pp": 2}, 1, 48, ParallelLayout(pp=2, dp_shard=3, microbatches=2)),     # 48 = 3 dp x 2 mb x 8
+    (6, {"pp": 2, "pp_microbatches": 4}, 1, 40, ParallelLayout(pp=2, dp_shard=2, microbatches=4)),  # 3 x 4 no
     (3, {}, 1, 2, ParallelLayout(dp_shard=2)),                                   # a sample for every dp rank
-    (4, {"pp": 2, "pp_schedule": "zbv"}, 1, 64, ParallelLayout(pp=2, dp_shard=2, stages_per_rank=2, v_shape=True)),
-    (3, {"pp": 2, "pp_schedule": "interleaved_1f1b"}, 1, 64, ParallelLayout(pp=2, stages_per_rank=2)),
+    (4, {"pp": 2, "pp_schedule": "zbv"}, 1, 64,
+     ParallelLayout(pp=2, dp_shard=2, stages_per_rank=2, v_shape=True, microbatches=4)),
+    (3, {"pp": 2, "pp_schedule": "interleaved_1f1b"}, 1, 64, ParallelLayout(pp=2, stages_per_rank=2, microbatches=4)),
     (1, {"pp": 2, "pp_schedule": "interleaved_1f1b"}, 1, 64, ParallelLayout()),   # one stage without a pipeline
     (0, {}, 1, 64, None),
     (4, {"pp": 2, "pp_microbatches": 5}, 1, 48, None),                  # 5 micro-batches never divide 48: no
@@ -97,6 +98,20 @@ def test_rank_order_puts_each_tp_group_on_one_node(nodes, tp, order):
 def test_a_generation_keeps_the_configured_degrees_with_the_largest_dp_the_batch_allows(workers, settings, replicas,
                                                                                       batch, layout):
     assert choose_layout(workers, ParallelConfig(**settings), replicas=replicas, global_batch_size=batch) == layout
+
+
+@pytest.mark.parametrize(("settings", "max_workers", "workers", "microbatches"), [
+    ({"pp": 2}, 4, [4, 3, 2], [2, 4, 4]),                         # a step's 4 micro-batches of 2 samples kept
+    ({"pp": 2, "tp": 2}, 8, [8, 4], [2, 4]),
+    ({"pp": 2, "pp_microbatches": 2}, 6, [6, 4, 2], [2, 3, 6]),
+    ({"pp": 4, "pp_microbatches": 4}, 8, [8, 4, 3], [4, 8, 8]),   # 3 workers: pp2, one pipeline runs all 8
+    ({"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 1}, 6, [6, 4], [1, 1]),  # 3 do not split over dp2
+])
+def test_a_re_planned_pipeline_keeps_the_steps_micro_batch_count_where_its_dp_divides_it(settings, max_workers,
+                                                                                         workers, microbatches):
+    policy = LayoutPolicy(parallel=ParallelConfig(**settings), global_batch_size=48, max_workers=max_workers)
+    layouts = [policy.decide(n) for n in workers]
+    assert [layout.microbatches for layout in layouts] == microbatches
 
 
 @pytest.mark.parametrize(("previous", "previous_ranks", "new", "order"), [

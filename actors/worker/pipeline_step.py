@@ -111,9 +111,9 @@ class Pipeline:
         modules = dict(model.stages()) if isinstance(model, ModelParts) else {stages[0]: model}
         holders = {stage: pp_rank for pp_rank in range(layout.pp) for stage in layout.stages(pp_rank)}
         return cls.build(modules, holders=holders, group=mesh.pp.get_group(), device=device,
-                         schedule=parallel.pp_schedule,
-                         microbatches=parallel.microbatches, loss=loss, weight=layout.dp / global_batch_size,
-                         seed=seed, streams=lambda stage: stage * layout.tp + at.tp)
+                         schedule=parallel.pp_schedule, microbatches=layout.microbatches or parallel.microbatches,
+                         loss=loss, weight=layout.dp / global_batch_size, seed=seed,
+                         streams=lambda stage: stage * layout.tp + at.tp)
 
     @property
     def group(self) -> dist.ProcessGroup:

@@ -27,6 +27,7 @@ import importlib
 import io
 import logging
 import os
+import threading
 from datetime import timedelta
 
 import ray
@@ -123,6 +124,9 @@ class TrainWorker:
         self._state_intact = True
         """False while (and after) a hand-over into this worker's state is incomplete."""
         self._generation: int | None = None
+        self._leaving = threading.Lock()
+        """Held while this worker leaves a group: a spare's ``leave`` may still wait on its last generation's
+        thread when its next ``join`` comes (the actor takes calls concurrently)."""
         self._mesh: ParallelMesh | None = None
         """The generation's model-parallel mesh (parallel.tp > 1); None without model parallelism."""
         self._kept: list[KeptShards] = []
@@ -153,7 +157,8 @@ class TrainWorker:
     def join(self, assignment: GroupAssignment) -> JoinReport:
         """Leave the old group and join generation ``assignment.generation``. A replicated strategy
         keeps its model and optimizer; a sharded one builds them afresh for the new group."""
-        previous = self._leave(assignment.timeout_s)
+        with self._leaving:
+            previous = self._leave(assignment.timeout_s)
         store = RayStore(assignment.store, timeout=timedelta(seconds=assignment.timeout_s))
         self.rendezvous_stores.append(store)
         join_group(assignment, self.backend, store)
@@ -196,9 +201,10 @@ class TrainWorker:
         """Leave the current group without joining another (a spare again: a generation's layout left this worker
         out). Its peers blocked in a collective with it fail now instead of at the collective timeout. Returns the
         parts of the state it keeps (``kept_part`` hands one over)."""
-        self._leave(collective_timeout_s)
-        leave_group()
-        return tuple(kept.copy for kept in self._kept_regions)
+        with self._leaving:
+            self._leave(collective_timeout_s)
+            leave_group()
+            return tuple(kept.copy for kept in self._kept_regions)
 
     def kept_part(self, copy: RegionCopy) -> KeptRegions:
         """A spare's kept part ``copy``, for the member that sends it in a restore (through Ray's object store)."""

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
+from raylastic.workloads.chargpt import CharGPT
 from raylastic.workloads.digits import Digits
 
 
@@ -109,3 +113,18 @@ class PickleFreeDigits(Digits):
         c10d._object_to_tensor = outside_dcp(c10d._object_to_tensor)
         c10d._tensor_to_object = outside_dcp(c10d._tensor_to_object)
         super().__init__()
+
+
+class CharGPTSlowWhileSmall(CharGPT):
+    """chargpt whose pipeline's last stage pauses ``pause_s`` per micro-batch while its generation has fewer than
+    ``full_world`` ranks, so that a test sees a run that shrank grow back before it ends (one process, no pipeline:
+    no pause)."""
+
+    def __init__(self, *, pause_s: float = 0.1, full_world: int = 4, **options) -> None:
+        super().__init__(**options)
+        self.pause_s, self.full_world = pause_s, full_world
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_world_size() < self.full_world:
+            time.sleep(self.pause_s)
+        return super().pipeline_loss(output, target)
