@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from benchmarks import _model_parallel_recovery as recovery_ways
 from benchmarks._cpu_meter import Measurement
 from benchmarks.common import REPO_ROOT, alternated, machine_info, write_json
 from benchmarks.sides import job_sections, measure_ours, run_torchrun
@@ -39,6 +40,7 @@ NUM_WORKERS = 4
 LAYOUTS = {"dp4": {}, "dp2 x tp2": {"tp": 2}, "pp2 x dp2": {"pp": 2}, "pp2 x tp2": {"pp": 2, "tp": 2}}
 """Layout name -> the parallel section, on NUM_WORKERS workers under zero3."""
 GOAL_RATIO = 0.98
+RECOVERY_LAYOUTS = ("pp2 x dp2", "dp2 x tp2")
 
 
 def sections_for(parallel: dict, steps: int, global_batch_size: int, scratch: Path) -> dict:
@@ -98,20 +100,54 @@ def benchmark(name: str, parallel: dict, steps: int, global_batch_size: int, rou
                                          for kind in formula}}
 
 
+def recovery(name: str, parallel: dict, args: argparse.Namespace, scratch: Path) -> dict:
+    """One worker of 4 killed at step ``args.kill_step`` of the layout, each way of _model_parallel_recovery.WAYS,
+    ``args.rounds`` times (the ways' order flips every round); medians over the rounds."""
+    sections = sections_for(parallel, args.recovery_steps, args.global_batch_size, scratch)
+    runs: dict[str, list[dict]] = {way: [] for way in recovery_ways.WAYS}
+    for round_index in range(args.rounds):
+        for way in alternated(list(recovery_ways.WAYS), round_index):
+            run_dir = scratch / f"{name.replace(' ', '')}-{way.replace(' ', '-')}-{round_index}"
+            measured = recovery_ways.measure(way, sections, run_dir, kill_step=args.kill_step,
+                                             num_workers=NUM_WORKERS)
+            runs[way].append(measured)
+            print(f"  {name} round {round_index + 1}/{args.rounds} {way:22s} kill -> next step "
+                  f"{measured['recovery_s']:6.2f} s, {measured['steps_redone']} redone, samples/s after/before "
+                  f"{measured['after_over_before']}", flush=True)
+    summary = {way: {key: statistics.median(run[key] for run in done if run[key] is not None)
+                     for key in ("recovery_s", "steps_redone", "after_over_before")
+                     if any(run[key] is not None for run in done)} for way, done in runs.items()}
+    return {"layout": name, "parallel": parallel, "kill_step": args.kill_step, "steps": args.recovery_steps,
+            "killed_rank": recovery_ways.KILLED_RANK, "summary": summary, "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="alternating ours/torchrun rounds per layout")
+    parser.add_argument("--part", choices=("all", "throughput", "recovery"), default="all")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per layout")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--global-batch-size", type=int, default=32)
+    parser.add_argument("--recovery-steps", type=int, default=30, help="steps of each recovery run")
+    parser.add_argument("--kill-step", type=int, default=15, help="the step the killed worker does not finish")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.steps < 5:
-        parser.error("need --rounds >= 1 and --steps >= 5")
+    if args.rounds < 1 or args.steps < 5 or not 5 <= args.kill_step < args.recovery_steps - 5:
+        parser.error("need --rounds >= 1, --steps >= 5 and 5 <= --kill-step < --recovery-steps - 5")
     os.chdir(REPO_ROOT)
-    results = []
     with tempfile.TemporaryDirectory(prefix="raylastic-model-parallel-") as scratch, \
             ray_session(min_cpus=NUM_WORKERS // 2):
-        for name, parallel in LAYOUTS.items():
-            results.append(benchmark(name, parallel, args.steps, args.global_batch_size, args.rounds, Path(scratch)))
+        if args.part in ("all", "throughput"):
+            throughput(args, Path(scratch))
+        if args.part in ("all", "recovery"):
+            recoveries = [recovery(name, LAYOUTS[name], args, Path(scratch)) for name in RECOVERY_LAYOUTS]
+            path = write_json("model_parallel_recovery", {
+                "benchmark": "model-parallel recovery: one of 4 workers killed, three ways",
+                "machine": machine_info(), "num_workers": NUM_WORKERS, "results": recoveries})
+            print(f"wrote {path}")
+
+
+def throughput(args: argparse.Namespace, scratch: Path) -> None:
+    results = [benchmark(name, parallel, args.steps, args.global_batch_size, args.rounds, scratch)
+               for name, parallel in LAYOUTS.items()]
     payload = {"benchmark": "model-parallel layouts: Raylastic vs a torchrun script of the same torch APIs",
                "machine": machine_info(), "goal_ratio": GOAL_RATIO, "num_workers": NUM_WORKERS, "results": results}
     path = write_json("model_parallel", payload)

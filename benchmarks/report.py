@@ -39,6 +39,7 @@ TITLES = {  # page order; a result file not named here gets a generic section af
     "communication": "Communication",
     "slow_links": "Slow links: time to a target loss",
     "model_parallel": "Model parallelism: layouts against torchrun",
+    "model_parallel_recovery": "Model parallelism: recovery from a lost worker, three ways",
     "rendezvous": "Rendezvous: the store over Ray against TCPStore",
 }
 

@@ -332,6 +332,22 @@ def model_parallel(result: dict) -> list[str]:
             f"global batch {first['global_batch_size']}."]
 
 
+def model_parallel_recovery(result: dict) -> list[str]:
+    rows = [[r["layout"], way, fmt(summary.get("recovery_s"), 2), fmt(summary.get("steps_redone"), 1),
+             fmt(summary.get("after_over_before"), 3),
+             ", ".join(str(run.get("state_source")) for run in r["runs"][way]),
+             ", ".join(f"{run['moved_bytes']} / {run['lost_rank_bytes']}" for run in r["runs"][way]
+                       if run.get("moved_bytes") is not None)]
+            for r in result["results"] for way, summary in r["summary"].items()]
+    first = result["results"][0]
+    return [f"One of {result['num_workers']} workers (rank {first['killed_rank']}) SIGKILLed before step "
+            f"{first['kill_step']} of {first['steps']}; medians over {len(next(iter(first['runs'].values())))} "
+            "rounds (goals: under 1 s from the kill to the next step, at most 1 step redone, samples/s after the "
+            "loss at least (N-1)/N of before, bytes moved no more than the lost rank's part):", "",
+            table(["layout", "way", "kill -> next step (s)", "steps redone", "samples/s after / before",
+                   "state from", "bytes moved / lost rank's part"], rows)]
+
+
 def generic(result: dict) -> list[str]:
     scalars = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k not in ("command", "date")}
     return [f"Recorded: {params_line(scalars)}." if scalars else "(no scalar fields recorded)"]
@@ -342,4 +358,4 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "step_costs_ray": step_costs, "recovery": recovery,
     "redundancy": redundancy, "balance": balance,
     "memory": memory, "checkpoint": checkpoint, "communication": communication, "slow_links": slow_links,
-    "model_parallel": model_parallel}
+    "model_parallel": model_parallel, "model_parallel_recovery": model_parallel_recovery}
