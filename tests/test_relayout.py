@@ -8,9 +8,11 @@
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 
 from raylastic.cluster.job import train
+from raylastic.jobconfig.naming import controller_name
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.region_plan import RegionCopy, plan_region_restore
 from raylastic.workloads import load_workload
@@ -93,6 +95,40 @@ def test_a_dp2_pp2_run_that_loses_a_worker_mid_schedule_goes_on_in_place_and_gro
         ("pp2 x dp2 (2 copies)", 2, "peers", formed[2]["step"], 0)], formed
     assert (formed[1]["previous_layout"], formed[1]["moved_bytes"]) == ("pp2 x dp2 (2 copies)", 0)
     assert formed[2]["step"] < steps
+    num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
+    samples, parameters = undisturbed_run(disturbed, num_samples)
+    assert applied_samples(result.ledger, steps, num_samples) == samples
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_drained_worker_of_a_pp2_tp2_run_hands_its_part_over_in_memory(tmp_path):
+    """Two stages split over two workers each under zero3 with no copy of any part (``buddy_copy: false``); rank 1
+    (stage 0's second tp rank) is drained: at the step boundary it leaves its group keeping its part, the three
+    left form tp2 (one waits as a spare) and take the drained worker's part through Ray's object store, as a
+    spare's. No checkpoint is written or read, no step is lost, and the run ends with an undisturbed run's
+    parameters."""
+    steps, name = 10, "pp-tp-drain"
+    options = PP_OPTIONS[:-1] + ", pause_s: 0.05, full_world: 5}"  # slow throughout: the drain comes mid-run
+    disturbed = job("workload.name=tests.support.user_workload:CharGPTSlowWhileSmall", options, "parallel.pp=2",
+                    "parallel.tp=2", "strategy.name=zero3", "strategy.buddy_copy=false", "scaling.min_workers=1",
+                    "scaling.max_workers=4", f"training.steps={steps}", "training.global_batch_size=8",
+                    "training.record_samples=true", "checkpoint.every_steps=0", "scaling.cpus_per_worker=0.25",
+                    name=name)
+    drained: list[str] = []
+
+    def drain_once(progress) -> None:
+        if not drained and progress.state == "running" and progress.step >= 3:
+            drained.extend(ray.get(ray.get_actor(controller_name(name)).drain.remote(rank=1)))
+
+    result = train(disturbed, run_dir=tmp_path / "run", on_progress=drain_once)
+    formed = [e.details | {"step": e.step} for e in result.events if e.type == "generation_formed"]
+    keys = ("layout", "state_source", "steps_lost")
+    assert [tuple(f[key] for key in keys) for f in formed] == [
+        ("pp2 x tp2", "initialisation", 0), ("tp2", "peers", 0)], formed
+    assert formed[1]["moved_bytes"] > 0 and formed[1]["step"] >= 3, formed
+    assert [e.details["worker"] for e in result.events if e.type == "worker_left"] == drained
+    assert not [e for e in result.events if e.type == "checkpointed" and e.step < steps]
     num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
     samples, parameters = undisturbed_run(disturbed, num_samples)
     assert applied_samples(result.ledger, steps, num_samples) == samples

@@ -193,7 +193,14 @@ class Controller:
         return Forming(restore=resume)
 
     def _form(self, state: Forming) -> RunState:
-        """Every member joins generation g+1; the state is handed over or restored."""
+        """Every member joins generation g+1; the state is handed over or restored. Drained members that hand their
+        parts over go after it, whatever happened."""
+        try:
+            return self._form_generation(state)
+        finally:
+            self.group.release_departed()
+
+    def _form_generation(self, state: Forming) -> RunState:
         started, before = time.time(), self.step
         layout = self.policies.layout.decide(self.group.size)
         reports = self.group.form(run_step=self.step, layout=layout)
@@ -315,14 +322,16 @@ class Controller:
     def _resize(self, state: Resizing) -> RunState:
         """At a step boundary: drained workers leave, ready joiners come in. Sharded state the leavers hold is
         saved by the old group first; the new one loads it, resharded, where the members' copies do not hold the
-        same step (a leaver whose buddy leaves with it, or no buddy copy). With nobody leaving, every shard stays
-        in the members' memory and goes over to the new layout from there. Nothing is discarded."""
+        same step (a leaver whose buddy leaves with it, or no buddy copy). Under model parallelism the leavers
+        hand their parts over in memory instead, as spares do. With nobody leaving, every shard stays in the
+        members' memory and goes over to the new layout from there. Nothing is discarded."""
         restore = None
-        if not self.replicated and self.group.num_leaving:
+        hand_over = not self.replicated and self.job.parallel.model_parallel > 1  # the parts, as spares hand theirs
+        if not self.replicated and self.group.num_leaving and not hand_over:
             path = self.group.save_checkpoint()
             self.log.event("checkpointed", self.step, path=path, reason="membership change")
             restore = Checkpoint(path, read_manifest(path))
-        self.drains.left(step=self.step)
+        self.drains.left(step=self.step, hand_over=hand_over)
         self._admit_joiners()
         missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
         if missing:

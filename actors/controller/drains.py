@@ -53,9 +53,10 @@ class Drains:
         for rank in stragglers_to_drain(status, min_workers=self.min_workers, num_leaving=self.group.num_leaving):
             self.log.event("worker_draining", step, workers=self.group.drain(rank=rank), reason="straggler")
 
-    def left(self, *, step: int) -> None:
-        """At the step boundary: the drained members leave now."""
-        for name, node in self.group.remove_drained().items():
+    def left(self, *, step: int, hand_over: bool = False) -> None:
+        """At the step boundary: the drained members leave now (with ``hand_over``, keeping their parts of the state
+        for the next formation: ``WorkerGroup.remove_drained``)."""
+        for name, node in self.group.remove_drained(hand_over=hand_over).items():
             self.log.event("worker_left", step, worker=name, node_id=node, reason="drained")
         for node, workers in self.pending.items():
             self.log.event("drained", step, node_id=node, workers=workers, steps_lost=0)

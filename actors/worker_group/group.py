@@ -88,7 +88,10 @@ class WorkerGroup:
         self.layout: ParallelLayout | None = None
         """The model-parallel layout of the generation formed last."""
         self.set_aside: list[tuple[Member, Any]] = []
-        """The members that generation's layout left out, with their ``leave`` calls (the parts they kept)."""
+        """The members that generation's layout left out, and the drained members handing their parts over, with
+        their ``leave`` calls (the parts they kept)."""
+        self.handing_over: list[tuple[Member, Any]] = []
+        """Drained members out of the group whose parts the next formation takes (``remove_drained``)."""
         self._poller: GenerationPoller | None = None
         self._draining_nodes: dict[str, float | None] = {}
         self._notices_read_at = -NOTICE_POLL_S
@@ -203,9 +206,19 @@ class WorkerGroup:
         """The members on ``node_id`` stay after all (its drain was called off)."""
         self.membership.undrain({m.name for m in self.membership.members if m.node_id == node_id})
 
-    def remove_drained(self) -> dict[str, str]:
-        """The drained members leave now, at a step boundary: their names -> the nodes they were on."""
-        return {m.name: m.node_id for m in self.membership.remove_drained()}
+    def remove_drained(self, *, hand_over: bool = False) -> dict[str, str]:
+        """The drained members leave now, at a step boundary: their names -> the nodes they were on. With
+        ``hand_over`` (model parallelism), each leaves its group keeping its part of the state, which the next
+        formation's restore takes as a spare's (``set_aside``); ``release_departed`` ends them after it."""
+        leaving = self.membership.remove_drained(hand_over=hand_over)
+        if hand_over:
+            self.handing_over += [(m, m.actor.leave.remote(self.collective_timeout_s)) for m in leaving]
+        return {m.name: m.node_id for m in leaving}
+
+    def release_departed(self) -> None:
+        """The drained members whose parts the last formation could take go now."""
+        self.handing_over = []
+        self.membership.release_departed()
 
     def drop(self, name: str) -> None:
         """A member (or joiner) that failed: removed, and a slot requested for its replacement."""
@@ -231,11 +244,12 @@ class WorkerGroup:
             previous_ranks = [previous.get(id(member)) for member in members]
             order = in_place_order(self.layout, previous_ranks, layout,
                                    [m.node_id or self.membership.slots.node_of(m.slot) for m in members])
-            self.set_aside = [(members[index], members[index].actor.leave.remote(self.collective_timeout_s))
-                              for index in order[layout.world_size:]]  # a spare's failure is found as a spare's
+            spares = [(members[index], members[index].actor.leave.remote(self.collective_timeout_s))
+                      for index in order[layout.world_size:]]  # a spare's failure is found as a spare's
+            self.set_aside = spares + self.handing_over
             self.membership.rank([members[index] for index in order[:layout.world_size]])
         else:
-            self.set_aside = []
+            self.set_aside = list(self.handing_over)
         self.ranked, self.layout = list(self.membership.members), layout
         reports = self._call_all("join", [(GroupAssignment(
             generation=self.generation, rank=rank, world_size=self.size, store=self.store,

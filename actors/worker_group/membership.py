@@ -69,6 +69,9 @@ class Membership:
         """Workers started and held idle (scaling.spare_workers), to join at once when one is needed."""
         self.draining: dict[str, bool] = {}
         """Members asked to leave at the next step boundary -> whether a replacement is asked for."""
+        self.departing: list[tuple[Member, bool]] = []
+        """Drained members out of the group whose processes stay until the next formation took their parts of the
+        state (``remove_drained(hand_over=True)``), each with whether a replacement is asked for."""
         self._spawned = 0
 
     @property
@@ -188,14 +191,24 @@ class Membership:
         for name in names:
             self.draining.pop(name, None)
 
-    def remove_drained(self) -> list[Member]:
-        """Members asked to leave: removed now, at a step boundary (replaced if the drain asked for it)."""
+    def remove_drained(self, *, hand_over: bool = False) -> list[Member]:
+        """Members asked to leave: out of the group now, at a step boundary (replaced if the drain asked for it).
+        With ``hand_over``, their processes stay until ``release_departed``."""
         leaving = [m for m in self.members if m.name in self.draining]
         for member in leaving:
             self.members.remove(member)
-            self.remove(member, replace=self.draining[member.name])
+            if hand_over:
+                self.departing.append((member, self.draining[member.name]))
+            else:
+                self.remove(member, replace=self.draining[member.name])
         self.draining.clear()
         return leaving
+
+    def release_departed(self) -> None:
+        """The drained members kept for a hand-over go now."""
+        for member, replace in self.departing:
+            self.remove(member, replace=replace)
+        self.departing = []
 
     def drop(self, member: Member) -> None:
         """A member that failed: removed, and a slot requested for its replacement."""
@@ -210,7 +223,8 @@ class Membership:
             self.slots.request(1)
 
     def shutdown(self) -> None:
-        for member in self.members + self.joining + self.spares:
+        for member in self.members + self.joining + self.spares + [member for member, _ in self.departing]:
             self.remove(member, replace=False)
+        self.departing = []
         self.members, self.joining, self.spares = [], [], []
         self.slots.release_pending()

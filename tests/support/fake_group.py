@@ -225,7 +225,10 @@ class FakeGroup:
         self.members += admitted
         return dict.fromkeys(admitted, False)
 
-    def remove_drained(self) -> dict[str, str]:
+    def release_departed(self) -> None:
+        pass
+
+    def remove_drained(self, *, hand_over: bool = False) -> dict[str, str]:
         leaving = {name: self.nodes.get(name, "") for name in self.members if name in self.draining}
         self.members = [name for name in self.members if name not in self.draining]
         self.draining = set()
