@@ -11,11 +11,14 @@ bytes each of our ranks reports at the end (``result.json``'s ``memory``) agains
 parameters / (pp x tp x dp) for parameters and gradients, twice that for AdamW's state; for the largest rank and
 for the mean. Parameters that tensor parallelism replicates (LayerNorms, biases of the row-split layers, the
 position table) make it slightly more, and pipeline stages hold unequal shares (the embeddings on the first, the
-head on the last). Run from the repository root (about 20 minutes on 2 cores)::
+head on the last). ``--part recovery``: one of the 4 workers killed at pp2 x dp2 and at dp2 x tp2, ours against a
+checkpoint restart and a replica-group restart (benchmarks/_model_parallel_recovery.py). Run from the repository
+root (about 20 minutes on 2 cores for the layouts, 10 for a round of recovery)::
 
-    python -m benchmarks.model_parallel --rounds 2
+    python -m benchmarks.model_parallel --rounds 2 --part throughput
+    python -m benchmarks.model_parallel --rounds 1 --part recovery
 
-Writes benchmarks/results/model_parallel.json.
+Writes benchmarks/results/model_parallel.json and model_parallel_recovery.json.
 """
 
 from __future__ import annotations
