@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raylastic.actors.controller.policies import LayoutPolicy, choose_layout
+from raylastic.actors.controller.layout_policy import LayoutPolicy, choose_layout
 from raylastic.jobconfig.parallel import ParallelConfig
 from raylastic.strategies.parallel_layout import Coordinates, ParallelLayout, in_place_order, rank_order
 

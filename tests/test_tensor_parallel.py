@@ -16,7 +16,8 @@ import re
 
 import pytest
 
-from raylastic.actors.controller.policies import LayoutPolicy, Noop, ScalingPolicy, ScalingState, trained_workers
+from raylastic.actors.controller.layout_policy import LayoutPolicy
+from raylastic.actors.controller.policies import Noop, ScalingPolicy, ScalingState, trained_workers
 from raylastic.cluster.job import train
 from raylastic.jobconfig import ParallelConfig
 from raylastic.strategies.checkpoint_catalogue import complete_checkpoints
