@@ -18,11 +18,11 @@ import dataclasses
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
 
 import ray
 
 from raylastic.actors.controller.drains import Drains
+from raylastic.actors.controller.memory_restore import plan_memory_restore, restore_from_memory
 from raylastic.actors.controller.policies import (
     AllStopped,
     FromCheckpoint,
@@ -70,8 +70,6 @@ from raylastic.actors.worker_group.placement import ReservedBundles
 from raylastic.jobconfig import JobConfig
 from raylastic.strategies.checkpoint_catalogue import Checkpoint, CheckpointSettings
 from raylastic.strategies.checkpoint_manifest import read_manifest
-from raylastic.strategies.peer_restore import PeerRestorePlan, plan_peer_restore
-from raylastic.strategies.region_plan import RegionRestorePlan, plan_region_restore
 
 WAIT_SLICE_S = 1.0
 """While waiting for workers, how long one wait lasts before a stop request is looked at again."""
@@ -205,7 +203,8 @@ class Controller:
         layout = self.policies.layout.decide(self.group.size)
         reports = self.group.form(run_step=self.step, layout=layout)
         member_steps = [report.step for report in reports]
-        plan = self._peer_plan(reports)
+        plan = None if self.replicated else plan_memory_restore(
+            self.group, reports, model_parallel=self.job.parallel.model_parallel > 1)
         newest = None
         if needs_checkpoint_lookup(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
                                    run_step=self.step, peer_plan=plan):
@@ -216,7 +215,7 @@ class Controller:
             return Failed(source.reason(self.job.strategy, self.job.checkpoint.every_steps) + self.checkpoints.note())
         moved = {}
         if isinstance(source, FromPeers):
-            label, moved = self._restore_from_peers(source.plan)
+            label, moved = restore_from_memory(self.group, source.plan)
             self.step = source.plan.step
         elif isinstance(source, FromCheckpoint):
             found = source.checkpoint
@@ -237,27 +236,6 @@ class Controller:
                        duration_s=round(time.time() - started, 4), **(layout.details() if layout else {}),
                        **moved)
         return Running(recovering_since=state.recovering_since)
-
-    def _peer_plan(self, reports: list) -> PeerRestorePlan | RegionRestorePlan | None:
-        """Which member sends which part of the state the members kept in memory (None: no complete copy
-        survived, or every member holds the whole state)."""
-        if self.replicated:
-            return None
-        if self.job.parallel.model_parallel > 1:  # the spares the layout left out may hold parts too
-            holdings = [report.region_copies for report in reports] + self.group.set_aside_copies()
-            return plan_region_restore(holdings, members=len(reports))
-        return plan_peer_restore([report.shard_copies for report in reports])
-
-    def _restore_from_peers(self, plan: PeerRestorePlan | RegionRestorePlan) -> tuple[str, dict[str, Any]]:
-        """Every member takes its part of ``plan``'s state from the copies the members kept; the state source's
-        label, and under model parallelism what moved."""
-        if isinstance(plan, RegionRestorePlan):
-            traffic = self.group.restore_regions(plan)
-            moved = {"previous_layout": plan.layout.describe(), "moved_bytes": sum(t.bytes_received for t in traffic),
-                     "moved_from": sorted({sender for t in traffic for sender in t.senders})}
-            return "buddy" if plan.from_buddies else "peers", moved
-        self.group.restore_from_peers(plan)
-        return "buddy" if plan.from_buddies else "peers", {}
 
     def _train(self, state: Running) -> RunState:
         """One poll of the training generation (started first, at the first transition): the poll's observers take
