@@ -13,7 +13,7 @@ every ``CHECKPOINT_EVERY`` steps:
 Each reports the time from the kill (the commit of step K-1, the last step before the killed rank's step K) to
 the next committed step, the committed steps redone, samples/s after the loss against before (the generation
 right after it, until any worker joins), and what moved (our ``generation_formed``'s ``moved_bytes``) against
-the lost rank's part (its parameters, gradients' and optimizer state's bytes in ``result.json``'s memory).
+the lost rank's part (its parameters' and optimizer state's bytes in ``result.json``'s memory).
 """
 
 from __future__ import annotations
