@@ -18,7 +18,14 @@ from raylastic.strategies.checkpoint_manifest import read_manifest
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.workloads import load_workload
 from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import applied_samples, assert_states_close, job, load_model, tokenized_stdlib
+from tests.support.helpers import (
+    REORDERED_SUMS_ATOL,
+    applied_samples,
+    assert_states_close,
+    job,
+    load_model,
+    tokenized_stdlib,
+)
 from tests.support.parallel_runs import (
     ADAM_TOLERANCE,
     UNTIED,
@@ -108,7 +115,7 @@ def test_a_zbv_run_ends_with_the_whole_models_parameters_gathered_from_its_stage
     assert [row["layout"] for row in result.history] == ["pp2 (2 stages each, V)"] * 4
     _, parameters = undisturbed_run(calm, len(load_workload(calm.workload.name, calm.workload.options)
                                               .train_dataset()))
-    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)  # model.pt, whole
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)  # model.pt
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -132,4 +139,4 @@ def test_a_tp2_pp2_run_that_loses_a_worker_goes_on_from_its_buddys_copy(tmp_path
     num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
     samples, parameters = undisturbed_run(disturbed, num_samples)
     assert applied_samples(result.ledger, steps, num_samples) == samples
-    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)

@@ -17,7 +17,7 @@ from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.region_plan import RegionCopy, plan_region_restore
 from raylastic.workloads import load_workload
 from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import applied_samples, assert_states_close, job, load_model
+from tests.support.helpers import REORDERED_SUMS_ATOL, applied_samples, assert_states_close, job, load_model
 from tests.support.parallel_runs import relayout_and_report
 from tests.support.strategy_runs import undisturbed_run
 
@@ -98,7 +98,7 @@ def test_a_dp2_pp2_run_that_loses_a_worker_mid_schedule_goes_on_in_place_and_gro
     num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
     samples, parameters = undisturbed_run(disturbed, num_samples)
     assert applied_samples(result.ledger, steps, num_samples) == samples
-    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -132,4 +132,4 @@ def test_a_drained_worker_of_a_pp2_tp2_run_hands_its_part_over_in_memory(tmp_pat
     num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
     samples, parameters = undisturbed_run(disturbed, num_samples)
     assert applied_samples(result.ledger, steps, num_samples) == samples
-    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)

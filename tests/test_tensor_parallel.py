@@ -27,7 +27,7 @@ from raylastic.workloads import check_workload, load_workload
 from raylastic.workloads.chargpt import GPT
 from raylastic.workloads.gpt_parallel import tensor_parallel_rule
 from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import applied_samples, assert_states_close, job, load_model
+from tests.support.helpers import REORDERED_SUMS_ATOL, applied_samples, assert_states_close, job, load_model
 from tests.support.parallel_runs import (
     ADAM_TOLERANCE,
     GLOBAL_BATCH,
@@ -189,4 +189,4 @@ def test_a_tp2_run_that_loses_a_worker_goes_on_at_the_survivors_layout_from_its_
     num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
     samples, parameters = undisturbed_run(disturbed, num_samples)
     assert applied_samples(result.ledger, steps, num_samples) == samples
-    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=1e-5)
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)

@@ -40,7 +40,7 @@ from raylastic.strategies.fsdp import FSDPStrategy
 from raylastic.strategies.process_group import leave_group
 from raylastic.workloads.digits import Digits
 from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import assert_states_close, job, load_model
+from tests.support.helpers import REORDERED_SUMS_ATOL, assert_states_close, job, load_model
 from tests.support.strategy_runs import undisturbed_run
 
 COLLECTIVE_TIMEOUT_S = 120.0
@@ -184,4 +184,4 @@ def test_zero3_run_survives_an_outside_sigkill_and_its_replacement(tmp_path):
     assert formed[-1].details["world_size"] == 4, f"the replacement never joined: {where}"
     assert any(e.type == "checkpointed" and e.step == STEPS for e in events), where
     _, parameters = undisturbed_run(config, len(Digits().train_dataset()))
-    assert_states_close(load_model(tmp_path / "run"), parameters)  # as undisturbed, wherever the join fell
+    assert_states_close(load_model(tmp_path / "run"), parameters, atol=REORDERED_SUMS_ATOL)  # join anywhere
