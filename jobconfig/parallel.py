@@ -20,6 +20,8 @@ from raylastic.jobconfig.checks import is_positive_int, one_of, require
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+LayoutDegrees = Literal["preferred", "fixed"]
+LAYOUT_DEGREES: tuple[str, ...] = get_args(LayoutDegrees)
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv")
 """Schedules that run several stages on each rank (the others run one)."""
 
@@ -38,12 +40,17 @@ class ParallelConfig:
     keeps a step's count where it can (each pipeline runs its share: ``choose_layout``)."""
     stages_per_rank: int | None = None
     """Stages on each pipeline rank; None: 1 for gpipe and 1f1b, 2 for interleaved_1f1b and zbv."""
+    degrees: LayoutDegrees = "preferred"
+    """"preferred": tp and pp are the first generation's; a re-plan may take any others the model allows (the
+    workload's ``model_limits``) that its throughput model finds faster, holding no more of the model on a rank.
+    "fixed": only tp, pp and (with fewer workers than tp x pp) their divisors."""
 
     def __post_init__(self) -> None:
         require(is_positive_int(self.tp), "parallel.tp", "a positive integer", self.tp)
         require(is_positive_int(self.pp), "parallel.pp", "a positive integer", self.pp)
         require(self.pp_schedule in PIPELINE_SCHEDULES, "parallel.pp_schedule", one_of(PIPELINE_SCHEDULES),
                 self.pp_schedule)
+        require(self.degrees in LAYOUT_DEGREES, "parallel.degrees", one_of(LAYOUT_DEGREES), self.degrees)
         require(self.pp > 1 or self.pp_schedule == "1f1b", "parallel.pp_schedule",
                 "left at its default (1f1b) unless parallel.pp > 1", self.pp_schedule)
         for name in ("pp_microbatches", "stages_per_rank"):

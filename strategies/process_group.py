@@ -18,6 +18,7 @@ released by ``abort_group`` (it then raises), which must come before that thread
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
@@ -73,13 +74,16 @@ def abort_group() -> None:
 
 
 def leave_group() -> None:
-    """Abort (NCCL: a hung collective must not be waited out) or destroy the current group."""
+    """Abort (NCCL: a hung collective must not be waited out) or destroy the current group. A gloo group closes its
+    connections, releasing a peer blocked in one of its collectives, only when its last reference goes: one a
+    failed step's leftovers hold in a reference cycle goes with the garbage collection that follows."""
     if not dist.is_initialized():
         return
     if _uses_nccl():
         abort_group()
     else:
         dist.destroy_process_group()
+        gc.collect()
 
 
 def _uses_nccl() -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -85,3 +86,46 @@ def test_every_hook_fails_the_step_when_a_peer_is_lost():
     outcomes = run_distributed(_hooks_with_a_lost_peer, 3, timeout_s=60)
     expected = dict.fromkeys((*GATHERING_KINDS, "hierarchical"), "raised")
     assert outcomes[:LOST_RANK] == [expected, expected]
+
+
+PEER_STAYS_S = 60.0
+
+
+class _Leftover:
+    """An object in a reference cycle holding a group, as a failed step's leftovers do (a pipeline stage, its
+    activations' autograd graph, FSDP's state): garbage, but freed only when the garbage collector runs."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.itself = group, self
+
+
+def _peer_blocked_while_another_leaves_with_garbage_holding_the_group(done_flag: str) -> float | None:
+    """Rank 0 all-reduces alone; rank 1 leaves the group with a leftover still holding it, then stays alive (as a
+    worker joining the next generation does) until rank 0 is released. Returns how long rank 0 was blocked."""
+    if dist.get_rank() == 0:
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.zeros(4))
+        except RuntimeError:
+            return time.monotonic() - started
+        finally:
+            Path(done_flag).touch()
+        raise AssertionError("the all_reduce completed without its peer")
+    gc.disable()  # the leftover must be collected by leave_group itself, not by an automatic collection
+    _Leftover(dist.group.WORLD)
+    time.sleep(1.0)
+    leave_group()
+    gc.enable()
+    deadline = time.monotonic() + PEER_STAYS_S
+    while not Path(done_flag).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return None
+
+
+def test_leaving_releases_a_blocked_peer_even_when_garbage_still_holds_the_group(tmp_path):
+    """A gloo group's connections close only when the last reference to it goes; a cycle keeps it until the garbage
+    collector runs, and the peer waited out the collective timeout (a pp2 x dp2 run's survivor did, and was taken as
+    hung)."""
+    blocked_for_s, _ = run_distributed(_peer_blocked_while_another_leaves_with_garbage_holding_the_group, 2,
+                                       str(tmp_path / "done"), timeout_s=GROUP_TIMEOUT_S)
+    assert blocked_for_s < PEER_STAYS_S / 3

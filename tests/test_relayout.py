@@ -102,6 +102,35 @@ def test_a_dp2_pp2_run_that_loses_a_worker_mid_schedule_goes_on_in_place_and_gro
 
 
 @pytest.mark.usefixtures("ray_local")
+def test_three_survivors_of_a_dp2_pp2_run_of_six_blocks_re_plan_to_pp3_from_memory_and_grow_back(tmp_path):
+    """Two copies of a two-stage pipeline over a 6-block GPT; rank 2 (stage 1 of the first copy) is killed as step 4
+    starts. The three survivors re-plan to three stages of two blocks (the layout policy's pick: a step's
+    4 micro-batches through one 3-stage pipeline beat 2 stages with a spare), each receiving from the others' memory
+    the blocks it lacks; when the replacement is ready, the run goes back to (dp2, pp2). No checkpoint is written or
+    read, no committed step is lost, and the run ends with an undisturbed run's parameters."""
+    steps = 20
+    options = PP_OPTIONS.replace("n_layer: 2", "n_layer: 6")[:-1] + ", pause_s: 0.1, full_world: 4}"
+    disturbed = job("workload.name=tests.support.user_workload:CharGPTSlowWhileSmall", options, "parallel.pp=2",
+                    "strategy.name=ddp", "scaling.min_workers=2", "scaling.max_workers=4", f"training.steps={steps}",
+                    "training.global_batch_size=8", "training.record_samples=true", "checkpoint.every_steps=0",
+                    "scaling.cpus_per_worker=0.25", "faults=[{action: kill, rank: 2, step: 4}]", name="pp3-replan")
+    result = train(disturbed, run_dir=tmp_path / "run")
+    formed = [e.details | {"step": e.step} for e in result.events if e.type == "generation_formed"]
+    keys = ("layout", "microbatches", "state_source", "steps_lost")
+    assert [tuple(f[key] for key in keys) for f in formed] == [
+        ("pp2 x dp2 (2 copies)", 2, "initialisation", 0), ("pp3", 4, "peers", 0),
+        ("pp2 x dp2 (2 copies)", 2, "peers", 0)], formed
+    assert formed[1]["previous_layout"] == "pp2 x dp2 (2 copies)" and formed[1]["moved_bytes"] > 0, formed
+    assert [e.type for e in result.events].count("worker_failed") == 1, result.events  # no survivor held up
+    assert formed[2]["previous_layout"] == "pp3" and formed[2]["moved_bytes"] > 0, formed
+    assert not [e for e in result.events if e.type == "checkpointed" and e.step < steps]
+    num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
+    samples, parameters = undisturbed_run(disturbed, num_samples)
+    assert applied_samples(result.ledger, steps, num_samples) == samples
+    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)
+
+
+@pytest.mark.usefixtures("ray_local")
 def test_a_drained_worker_of_a_pp2_tp2_run_hands_its_part_over_in_memory(tmp_path):
     """Two stages split over two workers each under zero3 with no copy of any part (``buddy_copy: false``); rank 1
     (stage 0's second tp rank) is drained: at the step boundary it leaves its group keeping its part, the three

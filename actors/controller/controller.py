@@ -22,6 +22,7 @@ from collections.abc import Callable
 import ray
 
 from raylastic.actors.controller.drains import Drains
+from raylastic.actors.controller.layout_policy import LayoutsSeen
 from raylastic.actors.controller.memory_restore import plan_memory_restore, restore_from_memory
 from raylastic.actors.controller.policies import (
     AllStopped,
@@ -102,6 +103,7 @@ class Controller:
         self.stop_requested = False
         self.drains = Drains(self.group, self.log, min_workers=job.scaling.min_workers)
         self.shares = ShareBook(job.training.global_batch_size, job.scaling.straggler_factor)
+        self.layouts_seen = LayoutsSeen()
         self.training_progress = Progress(self.step)
         """The training generation's committed step and open recovery, as its polls bring them in."""
         self.poll_observers: tuple[Callable[[GroupStatus, int], None], ...] = (
@@ -200,8 +202,11 @@ class Controller:
 
     def _form_generation(self, state: Forming) -> RunState:
         started, before = time.time(), self.step
-        layout = self.policies.layout.decide(self.group.size)
+        seen = self.layouts_seen
+        layout = self.policies.layout.decide(self.group.size, limits=seen.limits, current=self.group.layout,
+                                             measured=seen.measured(self.log.history()))
         reports = self.group.form(run_step=self.step, layout=layout)
+        seen.formed(layout, (report.model_limits for report in reports))
         member_steps = [report.step for report in reports]
         plan = None if self.replicated else plan_memory_restore(
             self.group, reports, model_parallel=self.job.parallel.model_parallel > 1)

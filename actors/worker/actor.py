@@ -32,6 +32,7 @@ from raylastic.jobconfig import (
 )
 from raylastic.strategies.checkpoint_catalogue import CheckpointSettings
 from raylastic.strategies.group_assignment import GroupAssignment
+from raylastic.strategies.model_limits import ModelLimits
 from raylastic.strategies.peer_restore import PeerRestorePlan, ShardCopy
 from raylastic.strategies.region_plan import RegionCopy, RegionRestorePlan, RestoreTraffic
 
@@ -85,6 +86,8 @@ class JoinReport:
     region_copies: tuple[RegionCopy, ...] = ()
     """Under model parallelism: its part of an earlier generation's state, kept in memory, for
     ``plan_region_restore``; none for a new worker, at step 0."""
+    model_limits: ModelLimits | None = None
+    """How far the model splits (the workload's ``model_limits``), for the Controller's re-plans."""
 
 
 class TrainWorkerProcess:

@@ -2,7 +2,7 @@
 device, cut down to the rank's pipeline stage (the workload's ``pipeline_split``; several stages in a
 ``ModelParts`` under the interleaved_1f1b and zbv schedules), split over the generation's
 tensor-parallel ranks (its ``parallelize``), its blocks checkpointed (training.activation_checkpointing), in
-torchtitan's order.
+torchtitan's order. Also how far the model splits (``model_limits``), for the Controller's re-plans.
 
 Example::
 
@@ -16,7 +16,9 @@ import copy
 import torch
 import torch.distributed as dist
 
+from raylastic.jobconfig import WorkloadConfig
 from raylastic.strategies.activation_checkpointing import checkpoint_blocks
+from raylastic.strategies.model_limits import ModelLimits
 from raylastic.strategies.model_parts import ModelParts, roots
 from raylastic.strategies.parallel_mesh import ParallelMesh
 from raylastic.workloads.protocol import Workload
@@ -38,3 +40,14 @@ def build_rank_model(workload: Workload, device: torch.device, *, mesh: Parallel
             workload.parallelize(part, mesh.tp)
     checkpoint_blocks(model, activation_checkpointing)
     return model
+
+
+def model_limits(workload: Workload, config: WorkloadConfig) -> ModelLimits | None:
+    """The workload's ``model_limits`` hook's answer for its model built on the meta device (no memory taken, no
+    random number drawn); None for a workload without the hook."""
+    hook = getattr(workload, "model_limits", None)
+    if hook is None:
+        return None
+    with torch.device("meta"):
+        model = workload.build_model()
+    return ModelLimits.reported(hook(model), workload=config.name)

@@ -46,7 +46,7 @@ from raylastic.actors.status.worker import WorkerStatus
 from raylastic.actors.worker.actor import JoinReport, WorkerSpec
 from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.mailbox import StatusMailbox
-from raylastic.actors.worker.model_build import build_rank_model
+from raylastic.actors.worker.model_build import build_rank_model, model_limits
 from raylastic.actors.worker.optimizer_recipe import optimizer_factory
 from raylastic.actors.worker.pipeline_step import Pipeline
 from raylastic.actors.worker.saver import AsyncSaver
@@ -97,6 +97,9 @@ class TrainWorker:
         """Every group's store, kept: a group holds only the C++ side of its Python store."""
         self.workload = load_workload(spec.workload.name, spec.workload.options)
         self.strategy = build_strategy(spec.strategy, spec.parallel)
+        replans = spec.parallel.model_parallel > 1 and spec.parallel.degrees == "preferred"
+        self.model_limits = model_limits(self.workload, spec.workload) if replans else None
+        """How far the model splits, for the Controller's re-plans (its JoinReports carry it)."""
         self.build_optimizer = optimizer_factory(spec.optim, getattr(self.workload, "configure_optimizer", None))
         dataset = self.workload.train_dataset()
         training = spec.training
@@ -195,7 +198,8 @@ class TrainWorker:
         self.loop.forget_stop_request()
         return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.status.step,
                           shard_copies=tuple(kept.copy for kept in self._kept),
-                          region_copies=tuple(kept.copy for kept in self._kept_regions))
+                          region_copies=tuple(kept.copy for kept in self._kept_regions),
+                          model_limits=self.model_limits)
 
     def leave(self, collective_timeout_s: float) -> tuple[RegionCopy, ...]:
         """Leave the current group without joining another (a spare again: a generation's layout left this worker
