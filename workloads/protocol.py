@@ -50,6 +50,9 @@ Optional:
   ``ColwiseParallel``/``RowwiseParallel`` styles (workloads/gpt_parallel.py is the built-in GPT's). Every
   rank of the tp group gets the same batches. A loss on logits left split by class (a colwise head with
   ``use_local_output=False``) works: forward and backward run under ``loss_parallel``.
+- ``model_limits(model) -> {"blocks": int, "tp_degrees": [int]}``: how far ``model`` splits (the most
+  pipeline stages, the tp degrees ``parallelize`` takes), called once on the model built on the meta device. With
+  it, a re-plan after a loss may choose other degrees than parallel.tp and parallel.pp (parallel.degrees).
 - ``eval_dataset()`` with ``eval_step(model, batch) -> dict[str, Tensor | float]``: evaluation spread
   over all ranks. ``eval_step`` returns *sums* over the batch's samples; Raylastic adds them up over
   batches and ranks and reports each divided by the number of samples evaluated.
