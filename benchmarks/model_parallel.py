@@ -117,9 +117,9 @@ def recovery(name: str, parallel: dict, args: argparse.Namespace, scratch: Path)
             print(f"  {name} round {round_index + 1}/{args.rounds} {way:22s} kill -> next step "
                   f"{measured['recovery_s']:6.2f} s, {measured['steps_redone']} redone, samples/s after/before "
                   f"{measured['after_over_before']}", flush=True)
-    summary = {way: {key: statistics.median(run[key] for run in done if run[key] is not None)
-                     for key in ("recovery_s", "steps_redone", "after_over_before")
-                     if any(run[key] is not None for run in done)} for way, done in runs.items()}
+    summary = {way: {key: statistics.median(run[key] for run in done if run.get(key) is not None)
+                     for key in ("recovery_s", "steps_redone", "after_over_before", *recovery_ways.BREAKDOWN)
+                     if any(run.get(key) is not None for run in done)} for way, done in runs.items()}
     return {"layout": name, "parallel": parallel, "kill_step": args.kill_step, "steps": args.recovery_steps,
             "killed_rank": recovery_ways.KILLED_RANK, "summary": summary, "runs": runs}
 

@@ -333,7 +333,10 @@ def model_parallel(result: dict) -> list[str]:
 
 
 def model_parallel_recovery(result: dict) -> list[str]:
-    rows = [[r["layout"], way, fmt(summary.get("recovery_s"), 2), fmt(summary.get("steps_redone"), 1),
+    breakdown = ("detected_s", "to_forming_s", "forming_s", "first_step_s")
+    rows = [[r["layout"], way, fmt(summary.get("recovery_s"), 2),
+             " / ".join(fmt(summary[key], 2) for key in breakdown) if "forming_s" in summary else "-",
+             fmt(summary.get("steps_redone"), 1),
              fmt(summary.get("after_over_before"), 3),
              ", ".join(str(run.get("state_source")) for run in r["runs"][way]),
              ", ".join(f"{run['moved_bytes']} / {run['lost_rank_bytes']}" for run in r["runs"][way]
@@ -344,7 +347,8 @@ def model_parallel_recovery(result: dict) -> list[str]:
             f"{first['kill_step']} of {first['steps']}; medians over {len(next(iter(first['runs'].values())))} "
             "rounds (goals: under 1 s from the kill to the next step, at most 1 step redone, samples/s after the "
             "loss at least (N-1)/N of before, bytes moved no more than the lost rank's part):", "",
-            table(["layout", "way", "kill -> next step (s)", "steps redone", "samples/s after / before",
+            table(["layout", "way", "kill -> next step (s)", "of it: heard / to forming / forming / first step (s)",
+                   "steps redone", "samples/s after / before",
                    "state from", "bytes moved / lost rank's part"], rows)]
 
 
