@@ -352,6 +352,19 @@ def model_parallel_recovery(result: dict) -> list[str]:
                    "state from", "bytes moved / lost rank's part"], rows)]
 
 
+def control_plane(result: dict) -> list[str]:
+    rows = [[n, fmt(row["poll_ms_median"]), fmt(row["poll_ms_max"]), fmt(row["failure_ms"]),
+             fmt(row["formation_ms_median"]), fmt(row["resize_ms_max"]), fmt(row["peak_mb"], 2)]
+            for n, row in result["by_workers"].items()]
+    exponents = ", ".join(f"{key} {value}" for key, value in result["growth_exponent_last_two"].items())
+    return [f"The Controller's milliseconds over the fake group, {result['steps']} steps with a failure, a scale-up "
+            f"and a drain (goal: under {fmt(result['goal_ms'])} ms each at the largest size, growing no faster than "
+            f"N log N). Growth exponents between the two largest sizes: {exponents}; goal met: "
+            f"{fmt(result['meets_goal'])}.", "",
+            table(["workers", "poll, median", "poll, max", "a failure's decisions", "a formation, median",
+                   "a resize, max", "peak MB"], rows)]
+
+
 def generic(result: dict) -> list[str]:
     scalars = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k not in ("command", "date")}
     return [f"Recorded: {params_line(scalars)}." if scalars else "(no scalar fields recorded)"]
@@ -362,4 +375,5 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "step_costs_ray": step_costs, "recovery": recovery,
     "redundancy": redundancy, "balance": balance,
     "memory": memory, "checkpoint": checkpoint, "communication": communication, "slow_links": slow_links,
-    "model_parallel": model_parallel, "model_parallel_recovery": model_parallel_recovery}
+    "model_parallel": model_parallel, "model_parallel_recovery": model_parallel_recovery,
+    "control_plane": control_plane}

@@ -117,6 +117,7 @@ class RunLog:
                                                 uncompressed_bytes, timings)
             if len(reports.by_rank) == reports.reporting:
                 reports.row = self._row(step, reports)
+                reports.by_rank.clear()  # the row has it all: a long run of many workers keeps a row a step
             return reports.row
 
     def add_result(self, result: StepResult, *, generation: int, rank: int, world_size: int) -> dict[str, Any] | None:
