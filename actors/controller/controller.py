@@ -316,12 +316,7 @@ class Controller:
             restore = Checkpoint(path, read_manifest(path))
         self.drains.left(step=self.step, hand_over=hand_over)
         self._admit_joiners()
-        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
-        if missing:
-            self.log.event("waiting_for_resources", self.step, workers=self.group.size, needed=missing)
-            return WaitingForWorkers(needed=missing, deadline=time.monotonic() + self.job.scaling.placement_timeout_s,
-                                     restore=restore)
-        return Forming(restore=restore)
+        return self._form_or_wait(restore)
 
     def _recover(self, state: Recovering) -> RunState:
         """Drop the failed workers, count the failure, keep the survivors; wait for workers below min_workers."""
@@ -335,15 +330,9 @@ class Controller:
         if isinstance(decision, Raise):
             last = "; ".join(worker.describe() for worker in state.lost)
             return Failed(f"{decision.reason}; last failure: {last}{self.checkpoints.note()}")
-        restore = state.restore
         self._take_spares(reason="failure")
         self._admit_joiners()
-        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
-        if missing:
-            self.log.event("waiting_for_resources", self.step, workers=self.group.size, needed=missing)
-            return WaitingForWorkers(needed=missing, deadline=time.monotonic() + self.job.scaling.placement_timeout_s,
-                                     recovering_since=state.recovering_since, restore=restore)
-        return Forming(restore=restore, recovering_since=state.recovering_since)
+        return self._form_or_wait(state.restore, recovering_since=state.recovering_since)
 
     def _wait_for_workers(self, state: WaitingForWorkers) -> RunState:
         """Start replacements as their slots become ready; form again once min_workers are in, fail at the
@@ -382,6 +371,15 @@ class Controller:
             ledger=self.log.ledger() if self.job.training.record_samples else None))
 
     # -- what the actions share -----------------------------------------------------------------------------
+    def _form_or_wait(self, restore: Checkpoint | None, *, recovering_since: float | None = None) -> RunState:
+        """Form the next generation, or wait for workers while fewer than min_workers are in."""
+        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
+        if not missing:
+            return Forming(restore=restore, recovering_since=recovering_since)
+        self.log.event("waiting_for_resources", self.step, workers=self.group.size, needed=missing)
+        return WaitingForWorkers(needed=missing, deadline=time.monotonic() + self.job.scaling.placement_timeout_s,
+                                 recovering_since=recovering_since, restore=restore)
+
     def _take_spares(self, *, reason: str) -> None:
         """Ready spares join now, up to max_workers (their slots are asked for again by the failed workers)."""
         wanted = self.policies.scaling.spares_to_take(num_workers=self.group.size + self.group.num_joining,
@@ -404,7 +402,6 @@ class Controller:
         return (f"only {self.group.size} of scaling.min_workers={scaling.min_workers} workers {what} within "
                 f"scaling.placement_timeout_s={scaling.placement_timeout_s}s {self.group.capacity_note()}"
                 f"{self.checkpoints.note()}")
-
 
 
 ControllerActor = ray.remote(num_cpus=0, max_concurrency=8)(Controller)
