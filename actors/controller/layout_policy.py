@@ -179,6 +179,7 @@ class LayoutPolicy:
         return best or configured
 
     def choose(self, num_workers: int) -> ParallelLayout | None:
+        """The configured degrees' layout (``choose_layout``) of up to ``num_workers`` workers."""
         return choose_layout(num_workers, self.parallel, replicas=self.replicas,
                              global_batch_size=self.global_batch_size, step_microbatches=self.step_microbatches)
 
