@@ -23,6 +23,8 @@ from tests.support.process_imports import training_imports
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
+SETTLE_S = 1.0
+"""How long the test keeps looking for idle processes after the first one the top-up brought appeared."""
 ENVIRONMENT_MARKER = "RAYLASTIC_TEST_ENVIRONMENT"
 """Set in a runtime environment of the test's own, to tell its processes from the others."""
 
@@ -77,6 +79,10 @@ def place_an_actor(top_up: bool) -> tuple[ProcessStart, float, set[int]]:
         deadline = time.monotonic() + 60
         while not (started_ahead := idle_processes(raylet) - before) and time.monotonic() < deadline:
             time.sleep(0.05)
+        settled = time.monotonic() + SETTLE_S  # Ray may start another process for the environment meanwhile
+        while time.monotonic() < settled:
+            time.sleep(0.05)
+            started_ahead |= idle_processes(raylet) - before
     requested_at = time.time()
     return ray.get(ProcessReporter.remote().start.remote(), timeout=120), requested_at, started_ahead
 
@@ -88,7 +94,7 @@ def test_an_actor_placed_after_a_top_up_takes_the_process_started_ahead(top_up):
         place_an_actor.options(runtime_env=own_environment).remote(top_up), timeout=180)
     assert start.imported is not None  # the job's setup hook ran in the actor's process
     if top_up:  # Ray reports a process idle before its setup hook starts: the pid tells which one it is
-        assert started_ahead == {start.pid}
+        assert start.pid in started_ahead
     else:
         assert start.imported.began_at > requested_at
 
