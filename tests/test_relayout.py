@@ -95,10 +95,7 @@ def test_a_dp2_pp2_run_that_loses_a_worker_mid_schedule_goes_on_in_place_and_gro
         ("pp2 x dp2 (2 copies)", 2, "peers", formed[2]["step"], 0)], formed
     assert (formed[1]["previous_layout"], formed[1]["moved_bytes"]) == ("pp2 x dp2 (2 copies)", 0)
     assert formed[2]["step"] < steps
-    num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
-    samples, parameters = undisturbed_run(disturbed, num_samples)
-    assert applied_samples(result.ledger, steps, num_samples) == samples
-    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)
+    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -124,10 +121,7 @@ def test_three_survivors_of_a_dp2_pp2_run_of_six_blocks_re_plan_to_pp3_from_memo
     assert [e.type for e in result.events].count("worker_failed") == 1, result.events  # no survivor held up
     assert formed[2]["previous_layout"] == "pp3" and formed[2]["moved_bytes"] > 0, formed
     assert not [e for e in result.events if e.type == "checkpointed" and e.step < steps]
-    num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
-    samples, parameters = undisturbed_run(disturbed, num_samples)
-    assert applied_samples(result.ledger, steps, num_samples) == samples
-    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)
+    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -158,7 +152,12 @@ def test_a_drained_worker_of_a_pp2_tp2_run_hands_its_part_over_in_memory(tmp_pat
     assert formed[1]["moved_bytes"] > 0 and formed[1]["step"] >= 3, formed
     assert [e.details["worker"] for e in result.events if e.type == "worker_left"] == drained
     assert not [e for e in result.events if e.type == "checkpointed" and e.step < steps]
-    num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
-    samples, parameters = undisturbed_run(disturbed, num_samples)
+    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)
+
+
+def assert_trained_as_undisturbed(result, config, run_dir, steps: int) -> None:
+    """Every step applied once to the samples an undisturbed run of ``config`` takes, ending with its parameters."""
+    num_samples = len(load_workload(config.workload.name, config.workload.options).train_dataset())
+    samples, parameters = undisturbed_run(config, num_samples)
     assert applied_samples(result.ledger, steps, num_samples) == samples
-    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)
+    assert_states_close(load_model(run_dir), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)
