@@ -109,8 +109,10 @@ def test_a_server_stopped_while_the_controller_waits_on_it_is_replaced_and_the_r
 
 
 def test_a_restore_after_a_restore_reads_whole_cuts_and_applies_every_step_once(tmp_path):
-    """Server 1 dies at update 35 (the newest whole cut: 30), then server 0 at update 69 of the new epoch: the
-    second restore reads that epoch's cut, never a file left by the first, and every step is applied once."""
+    """Server 1 dies at update 35, then server 0 at update 69 of the new epoch: each restore reads the newest whole
+    cut (30 and 60, or the one before where that save was still being written when the server died: saves run
+    beside the updates), the second one a cut of the new epoch, never a file left by the first; every step is
+    applied once."""
     steps = 80
     result = train(job(f"training.steps={steps}", "training.global_batch_size=64", *ASYNC, "strategy.num_servers=2",
                        "checkpoint.every_steps=10", "training.record_samples=true",
@@ -119,7 +121,8 @@ def test_a_restore_after_a_restore_reads_whole_cuts_and_applies_every_step_once(
     assert result.final_step == steps
     assert [e.details["server"] for e in result.events if e.type == "server_failed"] == [1, 0]
     restored = [e for e in result.events if e.type == "generation_formed" and e.details["state_source"] == "checkpoint"]
-    assert [e.step for e in restored] == [30, 60]
+    first, second = (e.step for e in restored)
+    assert first in (20, 30) and second in (50, 60) and first < second
     applied_tickets(result, steps)
     root = tmp_path / "checkpoints"
     cuts = complete_checkpoints(str(root))

@@ -39,13 +39,13 @@ from raylastic.actors.controller.policies import (
     Verdict,
     choose_state_source,
     needs_checkpoint_lookup,
-    workers_missing,
 )
 from raylastic.actors.controller.poll_intake import Progress, take_in
 from raylastic.actors.controller.run_checkpoints import ForeignCheckpoint, RunCheckpoints
 from raylastic.actors.controller.run_log import RunLog
 from raylastic.actors.controller.run_metrics import RunMetrics
 from raylastic.actors.controller.share_book import ShareBook
+from raylastic.actors.controller.staffing import Staffing
 from raylastic.actors.controller.states import (
     TERMINAL,
     Failed,
@@ -104,10 +104,12 @@ class Controller:
         self.drains = Drains(self.group, self.log, min_workers=job.scaling.min_workers)
         self.shares = ShareBook(job.training.global_batch_size, job.scaling.straggler_factor)
         self.layouts_seen = LayoutsSeen()
+        self.staffing = Staffing(self.group, self.log, policy=self.policies.scaling, scaling=job.scaling,
+                                 note=self.checkpoints.note)
         self.training_progress = Progress(self.step)
         """The training generation's committed step and open recovery, as its polls bring them in."""
         self.poll_observers: tuple[Callable[[GroupStatus, int], None], ...] = (
-            self.shares.observe, self.drains.observe, self._observe_start_failures)
+            self.shares.observe, self.drains.observe, self.staffing.observe)
         """What every poll of a training generation goes to, after the run's log and metrics."""
         self._actions = {Placing: self._place, Forming: self._form, Running: self._train, Resizing: self._resize,
                          Recovering: self._recover, WaitingForWorkers: self._wait_for_workers,
@@ -138,7 +140,7 @@ class Controller:
         except ForeignCheckpoint as error:
             following = Failed(str(error))
         except WorkersCannotStart as error:
-            self._log_start_failures()
+            self.staffing.log_start_failures(step=self.step)
             following = Failed(self.checkpoints.with_note(str(error)))
         except Exception as error:  # a defect of ours: still a failed run with a reason, never a bare traceback
             following = Failed(f"the Controller failed at step {self.step} while {state.name}: "
@@ -187,8 +189,8 @@ class Controller:
         for worker in self.group.place(max_workers=scaling.max_workers, min_workers=scaling.min_workers,
                                        spare_workers=scaling.spare_workers, timeout_s=scaling.placement_timeout_s):
             self.log.event("worker_failed", self.step, worker=worker.name, reason=worker.reason)
-        if workers_missing(min_workers=scaling.min_workers, num_workers=self.group.size):
-            return Failed(self._too_few_workers("could be placed"))
+        if self.staffing.missing():
+            return Failed(self.staffing.too_few("could be placed"))
         resume = self.checkpoints.resume_point(at_step=self.step) if self.job.checkpoint.resume == "auto" else None
         return Forming(restore=resume)
 
@@ -271,9 +273,6 @@ class Controller:
         for observe in self.poll_observers:
             observe(status, self.step)
 
-    def _observe_start_failures(self, status: GroupStatus, step: int) -> None:
-        self._log_start_failures()
-
     def _after_generation(self, verdict: Verdict, final: GroupStatus) -> RunState:
         if isinstance(verdict, GenerationFinished):
             return Finishing()
@@ -315,8 +314,8 @@ class Controller:
             self.log.event("checkpointed", self.step, path=path, reason="membership change")
             restore = Checkpoint(path, read_manifest(path))
         self.drains.left(step=self.step, hand_over=hand_over)
-        self._admit_joiners()
-        return self._form_or_wait(restore)
+        self.staffing.admit_joiners(step=self.step)
+        return self.staffing.form_or_wait(restore, step=self.step)
 
     def _recover(self, state: Recovering) -> RunState:
         """Drop the failed workers, count the failure, keep the survivors; wait for workers below min_workers."""
@@ -330,22 +329,21 @@ class Controller:
         if isinstance(decision, Raise):
             last = "; ".join(worker.describe() for worker in state.lost)
             return Failed(f"{decision.reason}; last failure: {last}{self.checkpoints.note()}")
-        self._take_spares(reason="failure")
-        self._admit_joiners()
-        return self._form_or_wait(state.restore, recovering_since=state.recovering_since)
+        self.staffing.take_spares(step=self.step, reason="failure")
+        self.staffing.admit_joiners(step=self.step)
+        return self.staffing.form_or_wait(state.restore, step=self.step, recovering_since=state.recovering_since)
 
     def _wait_for_workers(self, state: WaitingForWorkers) -> RunState:
         """Start replacements as their slots become ready; form again once min_workers are in, fail at the
         deadline. Each call waits at most WAIT_SLICE_S, so a stop request is heard."""
-        self._take_spares(reason="failure")
-        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
-        self.group.grow(missing - self.group.num_joining,
+        self.staffing.take_spares(step=self.step, reason="failure")
+        self.group.grow(self.staffing.missing() - self.group.num_joining,
                         wait_s=max(0.0, min(WAIT_SLICE_S, state.deadline - time.monotonic())))
-        self._admit_joiners()
-        if not workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size):
+        self.staffing.admit_joiners(step=self.step)
+        if not self.staffing.missing():
             return Forming(restore=state.restore, recovering_since=state.recovering_since)
         if time.monotonic() >= state.deadline:
-            return Failed(self._too_few_workers("are available after the failure"))
+            return Failed(self.staffing.too_few("are available after the failure"))
         return state
 
     def _finish(self, state: Finishing) -> RunState:
@@ -369,39 +367,6 @@ class Controller:
             final_step=self.step, metrics=metrics, history=history, events=self.log.events(), model_state=model_state,
             checkpoint=path, memory=memory, eval_history=self.log.evaluations(),
             ledger=self.log.ledger() if self.job.training.record_samples else None))
-
-    # -- what the actions share -----------------------------------------------------------------------------
-    def _form_or_wait(self, restore: Checkpoint | None, *, recovering_since: float | None = None) -> RunState:
-        """Form the next generation, or wait for workers while fewer than min_workers are in."""
-        missing = workers_missing(min_workers=self.job.scaling.min_workers, num_workers=self.group.size)
-        if not missing:
-            return Forming(restore=restore, recovering_since=recovering_since)
-        self.log.event("waiting_for_resources", self.step, workers=self.group.size, needed=missing)
-        return WaitingForWorkers(needed=missing, deadline=time.monotonic() + self.job.scaling.placement_timeout_s,
-                                 recovering_since=recovering_since, restore=restore)
-
-    def _take_spares(self, *, reason: str) -> None:
-        """Ready spares join now, up to max_workers (their slots are asked for again by the failed workers)."""
-        wanted = self.policies.scaling.spares_to_take(num_workers=self.group.size + self.group.num_joining,
-                                                    num_spares_ready=self.group.num_spares_ready)
-        if wanted and (taken := self.group.grow(wanted)):  # the ready spares (a new worker for one that died since)
-            self.log.event("spares_taken", self.step, workers=taken, reason=reason)
-
-    def _admit_joiners(self) -> None:
-        for name, warm in self.group.admit_ready_joiners().items():
-            self.log.event("worker_joined", self.step, worker=name, warm_process=warm)
-        self._log_start_failures()
-
-    def _log_start_failures(self) -> None:
-        for failure in self.group.take_start_failures():
-            self.log.event("worker_start_failed", self.step, worker=failure.worker, node_id=failure.node_id,
-                           error=failure.error)
-
-    def _too_few_workers(self, what: str) -> str:
-        scaling = self.job.scaling
-        return (f"only {self.group.size} of scaling.min_workers={scaling.min_workers} workers {what} within "
-                f"scaling.placement_timeout_s={scaling.placement_timeout_s}s {self.group.capacity_note()}"
-                f"{self.checkpoints.note()}")
 
 
 ControllerActor = ray.remote(num_cpus=0, max_concurrency=8)(Controller)
