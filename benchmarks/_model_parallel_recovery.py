@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks._recovery_helpers import summarize_failure
+from benchmarks._recovery_helpers import recovery_breakdown, summarize_failure
 from raylastic.actors.status.run import RunFailed
 from raylastic.cluster.job import train
 from raylastic.jobconfig import job_config_from_dict
@@ -62,7 +62,7 @@ def measure(way: str, sections: dict, run_dir: Path, *, kill_step: int, num_work
                   if result.memory and len(result.memory) > KILLED_RANK else None)  # its part, as held at the end
     until = formed[2].time_s if len(formed) > 2 else float("inf")
     failed = next(e for e in result.events if e.type == "worker_failed")
-    return {**_timing(commits, kill_step), **_breakdown(commits, kill_step, started, failed, after),
+    return {**_timing(commits, kill_step), **recovery_breakdown(commits, kill_step, started, failed, after),
             **_throughput([row for row in result.history if row["step"] < kill_step],
                           [row for row in result.history if after.time_s < row["time_s"] < until]),
             "layout_after": after.details.get("layout"), "state_source": after.details["state_source"],
@@ -92,21 +92,6 @@ def _restart(sections: dict, run_dir: Path, kill_step: int) -> dict:
 def _timing(commits: list[tuple[int, float]], kill_step: int) -> dict:
     summary = summarize_failure(commits, kill_step)
     return {key: summary[key] for key in ("recovery_s", "committed_steps_lost", "steps_redone")}
-
-
-BREAKDOWN = ("detected_s", "to_forming_s", "forming_s", "first_step_s")
-
-
-def _breakdown(commits: list[tuple[int, float]], kill_step: int, started: float, failed, formed) -> dict:
-    """Where the time from the kill to the next step went: until the Controller heard of the loss
-    (``detected_s``), until the survivors' new generation started forming (``to_forming_s``), forming it with the
-    state restored (``forming_s``), and its first step (``first_step_s``)."""
-    kill_at = next(t for s, t in commits if s == kill_step - 1)
-    failed_at, formed_at = started + failed.time_s, started + formed.time_s
-    first_at = next(t for _, t in commits if t > formed_at)
-    forming = formed.details["duration_s"]
-    return {"detected_s": round(failed_at - kill_at, 4), "to_forming_s": round(formed_at - forming - failed_at, 4),
-            "forming_s": forming, "first_step_s": round(first_at - formed_at, 4)}
 
 
 def _throughput(before: list[dict], after: list[dict]) -> dict:

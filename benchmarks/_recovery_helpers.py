@@ -34,6 +34,24 @@ def summarize_failure(commits: list[tuple[int, float]], kill_step: int) -> dict[
             "timeline": [[round(t - kill_at, 4), s] for s, t in commits if s >= kill_step - TIMELINE_STEPS_BEFORE_KILL]}
 
 
+RECOVERY_BREAKDOWN = ("detected_s", "to_forming_s", "forming_s", "first_step_s")
+
+
+def recovery_breakdown(commits: list[tuple[int, float]], kill_step: int, started: float, failed: Any,
+                       formed: Any) -> dict[str, float]:
+    """Where the time from the kill to the next step went: until the Controller heard of the loss
+    (``detected_s``), until the survivors' new generation started forming (``to_forming_s``), forming it with the
+    state restored (``forming_s``), and its first step (``first_step_s``). ``failed``, ``formed``: the run's
+    ``worker_failed`` event and the ``generation_formed`` after it; ``commits`` and ``started`` + their ``time_s``
+    on the same clock."""
+    kill_at = next(t for s, t in commits if s == kill_step - 1)
+    failed_at, formed_at = started + failed.time_s, started + formed.time_s
+    first_at = next(t for _, t in commits if t > formed_at)
+    forming = formed.details["duration_s"]
+    return {"detected_s": round(failed_at - kill_at, 4), "to_forming_s": round(formed_at - forming - failed_at, 4),
+            "forming_s": forming, "first_step_s": round(first_at - formed_at, 4)}
+
+
 RAY_TRAIN_FACTS = {  # paths under the installed ray package (2.60), for what the JSON reports about Ray Train
     "elastic_resize_monitor_interval_s": "ray/train/v2/api/config.py:102 ScalingConfig.elastic_resize_monitor_"
                                          "interval_s = 60.0: ElasticScalingPolicy (v2/_internal/execution/"

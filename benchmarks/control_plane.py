@@ -23,6 +23,13 @@ exponent of the last two sizes' times on a log-log plot at most ~1.1). Run from 
     .venv/bin/python -m benchmarks.control_plane --workers 16 256 4096
 
 Writes benchmarks/results/control_plane.json and control_plane.png.
+
+``--real`` runs the real half instead (benchmarks/_control_plane_real.py: 2, 4, 8 and 16 worker processes on this
+machine, one killed; forming, recovery and the support CPU per step; ~5 minutes a round) and writes
+control_plane_real.json and control_plane_real.png::
+
+    .venv/bin/python -m benchmarks.control_plane --real
+    .venv/bin/python -m benchmarks.control_plane --real --workers 2 16 --rounds 3
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from benchmarks import _control_plane_real as real
 from benchmarks.common import RESULTS, machine_info, save_figure, write_json
 from raylastic.actors.controller.states import Recovering
 from tests.support.fake_group import controller, events, with_member
@@ -134,10 +142,16 @@ def plot(sizes: list[int], rows: dict[int, dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[16, 64, 256, 1024, 4096],
-                        help="group sizes to simulate (default 16 64 256 1024 4096)")
+    parser.add_argument("--workers", type=int, nargs="+",
+                        help="group sizes (default 16 64 256 1024 4096 simulated; with --real 2 4 8 16)")
+    parser.add_argument("--real", action="store_true", help="real worker processes on this machine, one killed")
+    parser.add_argument("--rounds", type=int, default=1, help="with --real: runs per size, medians reported")
     args = parser.parse_args(argv)
-    sizes = sorted(set(args.workers))
+    command = "python -m benchmarks.control_plane " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.real:
+        main_real(sorted(set(args.workers or real.SIZES)), args.rounds, command)
+        return
+    sizes = sorted(set(args.workers or (16, 64, 256, 1024, 4096)))
     gc.freeze()
     runs = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -149,14 +163,37 @@ def main(argv: list[str] | None = None) -> None:
                   f"{_ms(sum(measured['times']['failure'])):8.3f} ms, formation "
                   f"{_ms(statistics.median(measured['times']['formation'])):8.3f} ms", flush=True)
     summary = summarize(sizes, runs)
-    result = {"benchmark": "control_plane", "command": "python -m benchmarks.control_plane " + " ".join(
-                  sys.argv[1:] if argv is None else argv),
-              "machine": machine_info(), "steps": STEPS, "goal_ms": GOAL_MS, **summary,
+    result = {"benchmark": "control_plane", "command": command, "machine": machine_info(), "steps": STEPS,
+              "goal_ms": GOAL_MS, **summary,
               "raw_ms": {n: {kind: [_ms(t) for t in runs[n]["times"][kind]] for kind in KINDS} for n in sizes}}
     print(f"wrote {write_json('control_plane', result)}")
     plot(sizes, summary["by_workers"], RESULTS / "control_plane.png")
     print(f"at {sizes[-1]}: worst {summary['worst_ms_at_largest']} ms (goal {GOAL_MS:.0f}); growth exponents "
           f"{summary['growth_exponent_last_two']}")
+
+
+def main_real(sizes: list[int], rounds: int, command: str) -> None:
+    if sizes[0] < 2:
+        raise SystemExit("--real needs at least 2 workers a size: one of them is killed")
+    runs: dict[int, list[dict]] = {n: [] for n in sizes}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(rounds):
+            for n in sizes:
+                measured = real.measure(n, Path(scratch) / f"real-{n}-{round_index}")
+                runs[n].append(measured)
+                print(f"round {round_index + 1}/{rounds}, {n:2d} workers: formed in {measured['formation_s']:.2f} s, "
+                      f"kill -> next step {measured['recovery_s']:.2f} s, step {measured['step_ms']:.1f} ms, "
+                      f"support CPU {measured['support_cpu_ms_per_step']:.1f} ms a step", flush=True)
+    summary = real.summarize(sizes, runs)
+    result = {"benchmark": "control_plane_real", "command": command, "machine": machine_info(),
+              "steps": real.STEPS, "kill_step": real.KILL_STEP, "steady_from_step": real.STEADY_FROM,
+              "logical_cpus": real.LOGICAL_CPUS, "global_batch_size": real.GLOBAL_BATCH,
+              "recovery_goal_ratio": real.RECOVERY_GOAL_RATIO, **summary, "runs": runs}
+    print(f"wrote {write_json('control_plane_real', result)}")
+    real.plot(sizes, summary["by_workers"], RESULTS / "control_plane_real.png")
+    print(f"recovery at {sizes[-1]} over at {sizes[0]}: {summary['recovery_largest_over_smallest']} (goal <= "
+          f"{real.RECOVERY_GOAL_RATIO}); support CPU per step per worker: "
+          f"{summary['support_per_worker_largest_over_smallest']} (goal <= 1)")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from benchmarks import _model_parallel_recovery as recovery_ways
 from benchmarks._cpu_meter import Measurement
+from benchmarks._recovery_helpers import RECOVERY_BREAKDOWN
 from benchmarks.common import REPO_ROOT, alternated, machine_info, write_json
 from benchmarks.sides import job_sections, measure_ours, run_torchrun
 from raylastic.cluster.connect import ray_session
@@ -118,7 +119,7 @@ def recovery(name: str, parallel: dict, args: argparse.Namespace, scratch: Path)
                   f"{measured['recovery_s']:6.2f} s, {measured['steps_redone']} redone, samples/s after/before "
                   f"{measured['after_over_before']}", flush=True)
     summary = {way: {key: statistics.median(run[key] for run in done if run.get(key) is not None)
-                     for key in ("recovery_s", "steps_redone", "after_over_before", *recovery_ways.BREAKDOWN)
+                     for key in ("recovery_s", "steps_redone", "after_over_before", *RECOVERY_BREAKDOWN)
                      if any(run.get(key) is not None for run in done)} for way, done in runs.items()}
     return {"layout": name, "parallel": parallel, "kill_step": args.kill_step, "steps": args.recovery_steps,
             "killed_rank": recovery_ways.KILLED_RANK, "summary": summary, "runs": runs}

@@ -42,6 +42,7 @@ TITLES = {  # page order; a result file not named here gets a generic section af
     "model_parallel_recovery": "Model parallelism: recovery from a lost worker, three ways",
     "rendezvous": "Rendezvous: the store over Ray against TCPStore",
     "control_plane": "The control plane as the group grows (simulated)",
+    "control_plane_real": "The control plane as the group grows (real processes)",
 }
 
 

@@ -365,6 +365,23 @@ def control_plane(result: dict) -> list[str]:
                    "a resize, max", "peak MB"], rows)]
 
 
+def control_plane_real(result: dict) -> list[str]:
+    rows = [[n, fmt(row["formation_s"]), fmt(row["rendezvous_calls"]), fmt(row["recovery_s"]),
+             " / ".join(fmt(row[key]) for key in ("detected_s", "to_forming_s", "forming_s", "first_step_s")),
+             fmt(row["step_ms"]), fmt(row["support_cpu_ms_per_step"]), fmt(row["support_cpu_ms_per_step_per_worker"])]
+            for n, row in result["by_workers"].items()]
+    return [f"Real worker processes on {result['logical_cpus']} logical CPUs, rank 1 killed before step "
+            f"{result['kill_step']} of {result['steps']}, global batch {result['global_batch_size']}; support CPU "
+            f"over steps {result['steady_from_step']}-{result['kill_step'] - 1}. Recovery at the largest size over "
+            f"the smallest: {fmt(result['recovery_largest_over_smallest'])} (goal at most "
+            f"{fmt(result['recovery_goal_ratio'])}); support CPU per step per worker, largest over smallest: "
+            f"{fmt(result['support_per_worker_largest_over_smallest'])} (goal at most 1); the rendezvous calls' growth "
+            f"exponent: {fmt(result['rendezvous_calls_growth_exponent'])}.", "",
+            table(["workers", "first generation formed (s)", "rendezvous calls", "kill -> next step (s)",
+                   "of it: heard / to forming / forming / first step (s)", "step (ms)", "support CPU (ms/step)",
+                   "per worker"], rows)]
+
+
 def generic(result: dict) -> list[str]:
     scalars = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k not in ("command", "date")}
     return [f"Recorded: {params_line(scalars)}." if scalars else "(no scalar fields recorded)"]
@@ -376,4 +393,4 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "redundancy": redundancy, "balance": balance,
     "memory": memory, "checkpoint": checkpoint, "communication": communication, "slow_links": slow_links,
     "model_parallel": model_parallel, "model_parallel_recovery": model_parallel_recovery,
-    "control_plane": control_plane}
+    "control_plane": control_plane, "control_plane_real": control_plane_real}

@@ -240,7 +240,9 @@ class Controller:
             self.step, label = 0, "initialisation"
         self.log.event("generation_formed", self.step, generation=self.group.generation, world_size=self.group.size,
                        state_source=label, steps_lost=max(0, before - self.step),
-                       duration_s=round(time.time() - started, 4), **(layout.details() if layout else {}),
+                       duration_s=round(time.time() - started, 4),
+                       rendezvous_calls=sum(report.store_calls for report in reports),
+                       **(layout.details() if layout else {}),
                        **moved)
         return Running(recovering_since=state.recovering_since)
 

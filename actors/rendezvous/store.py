@@ -37,6 +37,8 @@ class RayStore(dist.Store):
         super().__init__()
         self.keys = keys
         self.set_timeout(timeout)
+        self.calls = 0
+        """Calls made to the actor: a group of N ranks formed over gloo's full mesh costs each rank ~N."""
         self._waited: dict[str, bytes] = {}
         """Values a ``wait`` brought along, each served once to the ``get`` that follows it (gloo and NCCL wait
         for a peer's key, then get it; their keys are set once per group)."""
@@ -86,6 +88,7 @@ class RayStore(dist.Store):
 
     def _call(self, method: str, about: str | list[str], *args: Any, timeout_s: float | None = None) -> Any:
         bound_s = (self._timeout_s() if timeout_s is None else timeout_s) + RPC_MARGIN_S
+        self.calls += 1
         try:
             return ray.get(getattr(self.keys, method).remote(*args), timeout=bound_s)
         except ray.exceptions.GetTimeoutError:

@@ -21,7 +21,8 @@ EventType = Literal[
     "node_draining",          # Ray drains a node of the run (a preemption notice); ``deadline_s``, ``workers``
     "node_drain_cancelled",   # the drain was called off before the boundary: its workers stay
     "drained",                # a draining node's workers left at a step boundary; ``steps_lost`` (0)
-    "generation_formed",      # ``generation``, ``world_size``, ``state_source``, ``steps_lost``, ``duration_s``
+    "generation_formed",      # ``generation``, ``world_size``, ``state_source``, ``steps_lost``, ``duration_s``,
+                              # ``rendezvous_calls`` (the members' calls to the run's keys as they joined)
     "recovered",              # the first step committed after a failure; ``recovery_s``, ``world_size``
     "waiting_for_resources",  # below min_workers after a failure; ``workers``, ``needed``
     "resumed",                # the run started from a checkpoint; ``path``, ``saved_world_size``, ``saved_strategy``

@@ -88,6 +88,8 @@ class JoinReport:
     ``plan_region_restore``; none for a new worker, at step 0."""
     model_limits: ModelLimits | None = None
     """How far the model splits (the workload's ``model_limits``), for the Controller's re-plans."""
+    store_calls: int = 0
+    """Calls this worker made to the run's rendezvous keys while it joined (its groups' set-up)."""
 
 
 class TrainWorkerProcess:

@@ -199,7 +199,7 @@ class TrainWorker:
         return JoinReport(node_id=ray.get_runtime_context().get_node_id(), step=self.status.step,
                           shard_copies=tuple(kept.copy for kept in self._kept),
                           region_copies=tuple(kept.copy for kept in self._kept_regions),
-                          model_limits=self.model_limits)
+                          model_limits=self.model_limits, store_calls=store.calls)
 
     def leave(self, collective_timeout_s: float) -> tuple[RegionCopy, ...]:
         """Leave the current group without joining another (a spare again: a generation's layout left this worker
