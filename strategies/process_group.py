@@ -13,7 +13,8 @@ collective raises (the default, 3 = SkipCleanUp, and 1 = TearDown kill the proce
 whose watchdog is stuck (the Controller's hang watchdog replaces a worker that stops answering);
 ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` so a timeout is not held up writing debug dumps. The group's
 timeout is failure.collective_timeout_s. A thread blocked in a collective whose peer is gone is
-released by ``abort_group`` (it then raises), which must come before that thread is joined.
+released by ``abort_group`` (it then raises), which must come before that thread is joined. On CPUs the group is
+gloo, whose collectives are ended by shutting down its connections (strategies/group_connections.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from raylastic.strategies.group_assignment import GroupAssignment, generation_prefix
+from raylastic.strategies.group_connections import GroupConnections
 
 NCCL_RECOVERY_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
                              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
@@ -53,10 +55,12 @@ def choose_backend(use_gpu: bool) -> str:
     return "nccl" if choose_device(use_gpu).type == "cuda" else "gloo"
 
 
-def join_group(assignment: GroupAssignment, backend: str, store: dist.Store) -> None:
-    """Leave the current group (if any) and join the one of ``assignment.generation`` through ``store`` (the
-    run's; keep it referenced until this group is left: the group holds only its C++ side)."""
-    leave_group()
+def join_group(assignment: GroupAssignment, backend: str, store: dist.Store,
+               connections: GroupConnections | None = None) -> None:
+    """Leave the current group (if any, shutting down ``connections``) and join the one of ``assignment.generation``
+    through ``store`` (the run's; keep it referenced until this group is left: the group holds only its C++ side).
+    Call it inside ``connections.forming()``, with the generation's other groups, where they are kept."""
+    leave_group(connections)
     if "nccl" in backend:  # also "cpu:gloo,cuda:nccl"
         os.environ.update(NCCL_RECOVERY_ENVIRONMENT)
     prefix = generation_prefix(assignment.store_prefix, assignment.generation)
@@ -64,24 +68,29 @@ def join_group(assignment: GroupAssignment, backend: str, store: dist.Store) -> 
                             world_size=assignment.world_size, timeout=timedelta(seconds=assignment.timeout_s))
 
 
-def abort_group() -> None:
-    """Abort the current NCCL group (every group of this process), so a thread blocked in one of its
-    collectives - a peer is gone - raises instead of waiting for the timeout. Call it before joining
-    that thread. A gloo group is left as it is: its collectives raise when a peer dies, and at the
-    group's timeout when one hangs."""
-    if dist.is_initialized() and _uses_nccl():
-        dist.distributed_c10d._abort_process_group()
-
-
-def leave_group() -> None:
-    """Abort (NCCL: a hung collective must not be waited out) or destroy the current group. A gloo group closes its
-    connections, releasing a peer blocked in one of its collectives, only when its last reference goes: one a
-    failed step's leftovers hold in a reference cycle goes with the garbage collection that follows."""
+def abort_group(connections: GroupConnections | None = None) -> None:
+    """Make a thread blocked in a collective of the current groups raise now instead of at the timeout (a peer
+    is gone, or blocked itself): NCCL's are aborted; gloo's ``connections`` (kept as the groups formed) are shut
+    down, which also releases the peers blocked on this process. Call it before joining that thread."""
     if not dist.is_initialized():
         return
     if _uses_nccl():
-        abort_group()
-    else:
+        dist.distributed_c10d._abort_process_group()
+    elif connections is not None:
+        connections.shut_down()
+
+
+def leave_group(connections: GroupConnections | None = None) -> None:
+    """Abort (NCCL: a hung collective must not be waited out) or destroy the current groups. A gloo group, destroyed,
+    waits for its collectives in flight, and those waiting on a live peer end only when that peer's connections
+    close: ``connections`` are shut down first, so none is left waiting. A group closes its connections only when
+    its last reference goes: one a failed step's leftovers hold in a reference cycle goes with the garbage
+    collection that follows."""
+    if not dist.is_initialized():
+        return
+    nccl = _uses_nccl()
+    abort_group(connections)
+    if not nccl:
         dist.destroy_process_group()
         gc.collect()
 

@@ -5,7 +5,8 @@
   error and handed DDP whatever their output buffer held: survivors of a 1-bit run stepped on
   garbage for 5 steps before something else failed.)
 - A survivor leaves the broken group while a collective of the failed step is still in flight (its
-  stop vote, a DDP bucket): moving its state on to the next group must not hang. This is what
+  stop vote, a DDP bucket), even one waiting on a live peer that waits on it: moving its state on to the
+  next group must not hang, nor leave the peer waiting. This is what
   TrainWorker.join does; the stalled-worker test in test_elastic.py hung in CI when the old DDP
   wrapper still held the group as it was destroyed.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from raylastic.actors.worker.stop_vote import StopVote
 from raylastic.strategies.compression import CompressionOptions, make_comm_hook
 from raylastic.strategies.ddp import DDPStrategy
+from raylastic.strategies.group_connections import GroupConnections
 from raylastic.strategies.hierarchical import make_hierarchical_hook
 from raylastic.strategies.process_group import leave_group
 from tests.support.distributed_harness import FakeBucket, run_distributed
@@ -129,3 +132,38 @@ def test_leaving_releases_a_blocked_peer_even_when_garbage_still_holds_the_group
     blocked_for_s, _ = run_distributed(_peer_blocked_while_another_leaves_with_garbage_holding_the_group, 2,
                                        str(tmp_path / "done"), timeout_s=GROUP_TIMEOUT_S)
     assert blocked_for_s < PEER_STAYS_S / 3
+
+
+def _members_blocked_on_each_other_then_one_leaves(store_path: str) -> dict[str, float]:
+    """As in a group of many that lost a member: each rank's collectives wait on the other, live, rank (rank 0 in an
+    all-reduce rank 1 never joins; rank 1 in a broadcast and an all-reduce of its own), and rank 1 leaves the group
+    as TrainWorker.join does. Returns how long its leaving took, and how long rank 0 stayed blocked."""
+    rank = dist.get_rank()
+    dist.destroy_process_group()  # the harness's group: this one is formed with its connections kept
+    connections = GroupConnections()
+    with connections.forming():
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    started = time.monotonic()
+    if dist.get_rank() == 0:
+        try:
+            dist.all_reduce(torch.zeros(4))
+        except RuntimeError:
+            return {"blocked_s": time.monotonic() - started}
+        raise AssertionError("the all_reduce completed without its peer")
+    in_flight = [dist.broadcast(torch.zeros(8), src=1, async_op=True), dist.all_reduce(torch.zeros(3), async_op=True)]
+    time.sleep(1.0)
+    leaving = time.monotonic()
+    leave_group(connections)
+    del in_flight
+    return {"leaving_s": time.monotonic() - leaving}
+
+
+def test_leaving_releases_peers_and_itself_whatever_is_in_flight(tmp_path):
+    """gloo's destroy waits for the group's collectives in flight; one waiting on a live peer that waits in turn (a
+    cycle through the group) ended only at the group's timeout: a recovery at 16 workers waited it out. The
+    connections are shut down first, so leaving ends them all at once, here and at the peer."""
+    blocked, left = run_distributed(_members_blocked_on_each_other_then_one_leaves, 2, str(tmp_path / "store"),
+                                    timeout_s=GROUP_TIMEOUT_S * 2)
+    assert left["leaving_s"] < GROUP_TIMEOUT_S / 10 and blocked["blocked_s"] < GROUP_TIMEOUT_S / 10, (blocked, left)
+

@@ -61,6 +61,7 @@ from raylastic.strategies.build import build_strategy
 from raylastic.strategies.checkpoint import Checkpointer, load_into, verify_for_load
 from raylastic.strategies.emulated_link import EmulatedLink
 from raylastic.strategies.group_assignment import GroupAssignment
+from raylastic.strategies.group_connections import GroupConnections
 from raylastic.strategies.model_parts import canonical_name
 from raylastic.strategies.parallel_mesh import ParallelMesh, parallel_mesh
 from raylastic.strategies.peer_restore import PeerRestorePlan
@@ -95,6 +96,8 @@ class TrainWorker:
         self.backend = choose_backend(spec.use_gpu)
         self.rendezvous_stores: list[RayStore] = []
         """Every group's store, kept: a group holds only the C++ side of its Python store."""
+        self.connections = GroupConnections()
+        """The generation's gloo connections, shut down as it is left: nothing of it is left waiting."""
         self.workload = load_workload(spec.workload.name, spec.workload.options)
         self.strategy = build_strategy(spec.strategy, spec.parallel)
         replans = spec.parallel.model_parallel > 1 and spec.parallel.degrees == "preferred"
@@ -118,7 +121,7 @@ class TrainWorker:
                                 status=self.status)
         self.loop = TrainingLoop(runner=self.runner, dataset=dataset, evaluator=self.evaluator, saver=self.saver,
                                  status=self.status, device=self.device, training=training, data=spec.data,
-                                 eval=spec.eval, profile_dir=spec.profile_dir,
+                                 eval=spec.eval, profile_dir=spec.profile_dir, connections=self.connections,
                                  balance=BalanceSettings(enabled=spec.balance == "auto",
                                                          straggler_factor=spec.straggler_factor,
                                                          node_id=ray.get_runtime_context().get_node_id()))
@@ -164,18 +167,21 @@ class TrainWorker:
             previous = self._leave(assignment.timeout_s)
         store = RayStore(assignment.store, timeout=timedelta(seconds=assignment.timeout_s))
         self.rendezvous_stores.append(store)
-        join_group(assignment, self.backend, store)
-        self._generation, self._rank = assignment.generation, assignment.rank
-        self._mesh = parallel_mesh(self.device, assignment.layout) if assignment.layout is not None else None
-        self.runner.layout = self.evaluator.layout = assignment.layout
-        timeout = timedelta(seconds=assignment.timeout_s)
-        self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)  # async saves: not the training group
-        copies_group = dist.new_group(backend="gloo", timeout=timeout) if self._keeps_buddy_copies(assignment) else None
-        node_ids = all_gather_plain(ray.get_runtime_context().get_node_id(), group=self.checkpoint_group)
-        context = GroupContext(node_ids=tuple(node_ids), completed_steps=assignment.run_step, mesh=self._mesh)
-        if previous is None:
-            torch.manual_seed(self.spec.training.seed)  # identical initialisation on every rank
-        self.state = self.strategy.setup(self._build_model, self.build_optimizer, self.device, previous, context)
+        store.num_keys()  # this process's connection to the run's keys, opened before the groups' are looked for
+        with self.connections.forming():  # every group of the generation: the mesh's and the strategy's too
+            join_group(assignment, self.backend, store, self.connections)
+            self._generation, self._rank = assignment.generation, assignment.rank
+            self._mesh = parallel_mesh(self.device, assignment.layout) if assignment.layout is not None else None
+            self.runner.layout = self.evaluator.layout = assignment.layout
+            timeout = timedelta(seconds=assignment.timeout_s)
+            self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)  # async saves: not training's
+            copies_group = (dist.new_group(backend="gloo", timeout=timeout) if self._keeps_buddy_copies(assignment)
+                            else None)
+            node_ids = all_gather_plain(ray.get_runtime_context().get_node_id(), group=self.checkpoint_group)
+            context = GroupContext(node_ids=tuple(node_ids), completed_steps=assignment.run_step, mesh=self._mesh)
+            if previous is None:
+                torch.manual_seed(self.spec.training.seed)  # identical initialisation on every rank
+            self.state = self.strategy.setup(self._build_model, self.build_optimizer, self.device, previous, context)
         self.runner.pipeline = Pipeline.for_generation(
             self.state.model, self._mesh, self.spec.parallel, device=self.device,
             loss=getattr(self.workload, "pipeline_loss", None), global_batch_size=self.spec.training.global_batch_size,
@@ -207,7 +213,7 @@ class TrainWorker:
         parts of the state it keeps (``kept_part`` hands one over)."""
         with self._leaving:
             self._leave(collective_timeout_s)
-            leave_group()
+            leave_group(self.connections)
             return tuple(kept.copy for kept in self._kept_regions)
 
     def kept_part(self, copy: RegionCopy) -> KeptRegions:

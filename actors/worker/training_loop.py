@@ -45,6 +45,7 @@ from raylastic.actors.worker.stop_vote import StopVote
 from raylastic.jobconfig import DataConfig, EvalConfig, TrainingConfig
 from raylastic.strategies.base import TrainState
 from raylastic.strategies.buddy_copy import BuddyCopies
+from raylastic.strategies.group_connections import GroupConnections
 from raylastic.strategies.process_group import abort_group
 
 LOOP_EXIT_GRACE_S = 5.0
@@ -79,8 +80,10 @@ class RateMeter:
 class TrainingLoop:
     def __init__(self, *, runner: StepRunner, dataset: Dataset, evaluator: Evaluator, saver: AsyncSaver,
                  status: StatusMailbox, device: torch.device, training: TrainingConfig, data: DataConfig,
-                 eval: EvalConfig, profile_dir: str | None = None, balance: BalanceSettings = BalanceSettings()
-                 ) -> None:
+                 eval: EvalConfig, profile_dir: str | None = None, balance: BalanceSettings = BalanceSettings(),
+                 connections: GroupConnections | None = None) -> None:
+        """``connections``: the generation's gloo connections, shut down when the thread is stuck in one of its
+        collectives as the worker leaves."""
         self.runner = runner
         self.dataset = dataset
         self.evaluator = evaluator
@@ -93,6 +96,7 @@ class TrainingLoop:
         self.profile_dir = profile_dir
         """Where rank 0 writes its torch profiler trace when training.profile_steps > 0."""
         self.balance = balance
+        self.connections = connections
         self._stop_requested = threading.Event()
         self._thread: threading.Thread | None = None
         self._profiled = False
@@ -117,11 +121,13 @@ class TrainingLoop:
 
     def leave(self, collective_timeout_s: float) -> None:
         """Before this worker leaves its group: let the thread end. One stuck in a collective of the broken
-        generation is made to raise (NCCL) and has the collective timeout to give up on its peers."""
+        generation is made to raise (``abort_group``) and has the collective timeout to give up on its peers; a
+        thread that failed has the same done to its groups at once, so that nothing still in flight on them (a
+        save, a buddy copy, a peer's collective waiting on this one) waits for the timeout."""
         if self._thread is not None:
             self._thread.join(LOOP_EXIT_GRACE_S)  # a loop that stopped at a step boundary is ending anyway
-            if self._thread.is_alive():
-                abort_group()  # NCCL: the loop is stuck in the broken generation's collective; make it raise now
+            if self._thread.is_alive() or self.status.phase == "failed":
+                abort_group(self.connections)  # a broken generation: nothing in flight on its groups can end well
         self.wait(timeout_s=collective_timeout_s + LOOP_EXIT_GRACE_S)
 
     def wait(self, timeout_s: float) -> None:
