@@ -2,7 +2,7 @@
 
 A gloo group, when destroyed, first waits for its collectives still running. One that waits on a live peer ends
 only when that peer's connections close, and the peer's own collective may wait on this one: a cycle that only
-the group's timeout (failure.collective_timeout_s) ends. A recovery at 16 workers waited it out. torch has no call
+the group's timeout (failure.collective_timeout_s) ends, and it forms easily in a large group. torch has no call
 that closes a gloo group's connections (ProcessGroupGloo's ``abort()`` and ``shutdown()`` leave them open), so
 they are found by what forming the groups opened: every TCP connection gloo's full mesh made or accepted (not
 its listening sockets: gloo's event loop aborts the process on a shut listener). A member that leaves shuts
