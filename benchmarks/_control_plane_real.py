@@ -58,8 +58,9 @@ def measure(num_workers: int, run_dir: Path) -> dict:
 
     local_ray(LOGICAL_CPUS)
     try:
-        cpu = CpuMeter(rank_marker="ray::TrainWorker")
+        cpu, started = CpuMeter(rank_marker="ray::TrainWorker"), time.perf_counter()
         result = train(job_config_from_dict(sections), run_dir=run_dir, on_progress=follow)
+        wall_s = time.perf_counter() - started
     finally:
         ray.shutdown()
     origin = min(origins)
@@ -69,7 +70,8 @@ def measure(num_workers: int, run_dir: Path) -> dict:
     after = next(e for e in formed if e.time_s > failed.time_s)
     steady = [t for s, t in commits if STEADY_FROM <= s <= KILL_STEP - 1]
     steady_steps = len(steady) - 1
-    measured = cpu.measurement(0.0, 0.0, (steady[0], steady[-1]), steady_steps)
+    measured = cpu.measurement(steady_steps * GLOBAL_BATCH / (steady[-1] - steady[0]), wall_s,
+                               (steady[0], steady[-1]), steady_steps)
     recovery = summarize_failure(commits, KILL_STEP)
     return {"workers": num_workers, "formation_s": formed[0].details["duration_s"],
             "rendezvous_calls": formed[0].details["rendezvous_calls"],
