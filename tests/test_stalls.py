@@ -25,7 +25,8 @@ from tests.support.worker_actors import workers_of
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-DEFAULT_TIMEOUTS = ("failure.collective_timeout_s=30", "failure.step_timeout_s=10")
+COLLECTIVE_TIMEOUT_S, STEP_TIMEOUT_S = 30, 10
+DEFAULT_TIMEOUTS = (f"failure.collective_timeout_s={COLLECTIVE_TIMEOUT_S}", f"failure.step_timeout_s={STEP_TIMEOUT_S}")
 """The defaults (tests.support.helpers.job shortens the collective timeout)."""
 
 
@@ -57,6 +58,7 @@ def test_a_worker_stopped_while_the_group_forms_is_found_within_the_step_timeout
     stopped_s = stopped["wall"] - began if stopped else None  # on the events' clock, give or take a second
     assert stopped and [e.details["worker"] for e in failed] == [stopped["worker"]], (stopped_s, result.events)
     assert "no answer" in failed[0].details["reason"] and "join" in failed[0].details["reason"], failed
+    assert failed[0].time_s - stopped_s < STEP_TIMEOUT_S + COLLECTIVE_TIMEOUT_S, (stopped_s, result.events)
     assert result.final_step == 30
 
 

@@ -29,11 +29,12 @@ ENVIRONMENT_MARKER = "RAYLASTIC_TEST_ENVIRONMENT"
 """Set in a runtime environment of the test's own, to tell its processes from the others."""
 
 
-def test_the_setup_hook_imports_the_training_modules_without_touching_cuda():
+def test_the_setup_hook_imports_the_training_modules_without_touching_cuda_and_freezes_them():
     """Ray gives a process its GPUs only when an actor is placed on it, and CUDA reads them at its first use:
-    a process started ahead must not have used CUDA."""
+    a process started ahead must not have used CUDA. What the imports made is out of the garbage collector's
+    reach afterwards, and the collector is on again."""
     script = """
-import sys, torch
+import gc, sys, torch
 calls = []
 for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "set_device"):
     original = getattr(torch.cuda, name)
@@ -44,6 +45,7 @@ setup_hook.import_training_modules()
 assert setup_hook.imported is not None and setup_hook.imported.began_at <= setup_hook.imported.done_at
 assert {"torch._dynamo", "raylastic.actors.worker.train_worker"} <= set(sys.modules), "not imported"
 assert calls == [], calls
+assert gc.isenabled() and gc.get_freeze_count() > len(sys.modules) * 100, gc.get_freeze_count()
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

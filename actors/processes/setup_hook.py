@@ -17,10 +17,13 @@ children's, so every actor the Controller starts that trains is started with ``T
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import ray
@@ -62,13 +65,32 @@ def import_training_modules() -> None:
         return
     began_at = time.time()
     try:
-        for module in AHEAD:
-            importlib.import_module(module)
+        with collector_paused():
+            for module in AHEAD:
+                importlib.import_module(module)
     except Exception:  # noqa: BLE001 - Ray ends a process whose hook raises: this one can still serve, cold
         logger.warning("the training modules could not be imported ahead; workers here will start cold",
                        exc_info=True)
         return
     imported = ImportTimes(began_at, time.time())
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, then everything that exists frozen out of its reach.
+
+    Importing torch and torch._dynamo creates ~0.5 million objects that live as long as the process; the collector
+    would scan them again and again as they are made (a third of the imports' CPU: 3.4 CPU-s instead of 2.2 on
+    this project's machines), and every full collection afterwards, in the middle of a step, would scan them once
+    more (~0.3 s each). ``gc.freeze`` moves them to a generation that no collection visits."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
