@@ -8,7 +8,10 @@ goes on from its newest checkpoint.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +20,12 @@ import ray
 
 from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process
 from raylastic.actors.status.run import Event, RunFailed, RunStatus
+from raylastic.actors.status.worker import WorkerStatus
 from raylastic.actors.worker.actor import TrainWorkerActor, WorkerSpec
+from raylastic.actors.worker.mailbox import StatusMailbox
 from raylastic.actors.worker.training_loop import LOOP_EXIT_GRACE_S
+from raylastic.actors.worker_group.membership import Member
+from raylastic.actors.worker_group.poller import GenerationPoller
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name
 from raylastic.strategies.checkpoint import Checkpointer
@@ -248,3 +255,39 @@ def test_a_resume_passes_over_a_checkpoint_whose_loaders_find_a_file_altered(tmp
     formed = events_of(result, "generation_formed")[0]
     assert (formed.details["state_source"], formed.step) == ("checkpoint", STEPS - 10)
     assert result.final_step == STEPS + 10
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class _WorkerMailbox:
+    """A worker's status mailbox alone in an actor, training: what the Controller's polls reach, without torch."""
+
+    def __init__(self) -> None:
+        self.status = StatusMailbox()
+        self.status.set_phase("training")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def poll(self, wait_s: float, seen: int) -> WorkerStatus:
+        return self.status.poll(wait_s, seen)
+
+    def answer_now(self) -> None:
+        self.status.answer_now()
+
+
+def test_a_generation_ended_by_a_death_does_not_wait_out_the_survivors_long_polls():
+    """Survivors blocked in a collective with a lost peer have no news, and their long polls are in flight: the
+    generation's end asks them to answer at once instead of waiting the polls out (60 s here)."""
+    members = [Member(actor=_WorkerMailbox.remote(), slot=None, name=f"worker{rank}") for rank in range(3)]
+    poller = GenerationPoller(members, wait_s=60.0)
+    poller.poll(timeout_s=10.0)  # every first poll answers at once; the next ones wait for news
+    os.kill(ray.get(members[1].actor.pid.remote()), signal.SIGKILL)
+    deadline = time.monotonic() + 30.0
+    while not poller.statuses()[1].dead and time.monotonic() < deadline:
+        poller.poll(timeout_s=1.0)
+    assert poller.statuses()[1].dead and not poller.statuses()[0].dead
+    started = time.monotonic()
+    poller.finish()
+    assert time.monotonic() - started < 10.0
+    for member in members:
+        ray.kill(member.actor)

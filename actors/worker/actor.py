@@ -140,6 +140,9 @@ class TrainWorkerProcess:
         """The worker's WorkerStatus (actors/worker/mailbox.py)."""
         return self.worker.poll(wait_s, seen)
 
+    def answer_now(self) -> None:
+        self.worker.answer_now()
+
     def save_checkpoint(self) -> str:
         return self.worker.save_checkpoint()
 

@@ -92,6 +92,12 @@ class StatusMailbox:
             self._evaluations.append(evaluation)
             self._announce()
 
+    def answer_now(self) -> None:
+        """Wake a waiting ``poll``: the Controller ends the generation and wants the step results it holds, which
+        are not news (a worker blocked in a collective with a lost peer would otherwise have none to tell)."""
+        with self._lock:
+            self._announce()
+
     def drop_results(self) -> None:
         """Forget step results no poll took (those of a generation that has ended)."""
         with self._lock:

@@ -353,6 +353,10 @@ class TrainWorker:
         for news after version ``seen``."""
         return self.status.poll(wait_s, seen)
 
+    def answer_now(self) -> None:
+        """End a ``poll`` that is waiting for news now."""
+        self.status.answer_now()
+
     def save_checkpoint(self) -> str:
         """Collective: write this step's checkpoint now (unless the loop already did) and wait for it."""
         return self.saver.save_now(self.status.step)

@@ -51,9 +51,13 @@ class GenerationPoller:
         return self.statuses(), tuple(news)
 
     def finish(self) -> tuple[RankNews, ...]:
-        """Polls still in flight carry step results: take them in (within one poll's wait) before the
-        generation's end is acted on."""
+        """Polls still in flight carry step results: take them in before the generation's end is acted on. Each
+        live member is asked to answer at once (a survivor blocked in a collective with a lost peer has no news
+        that would end its poll), and waited for within one poll's wait."""
         live = {name: ref for name, ref in self.polls.items() if not self.views[name].dead}
+        for member in self.members:
+            if member.name in live:
+                member.actor.answer_now.remote()
         if live:
             ray.wait(list(live.values()), num_returns=len(live), timeout=self.wait_s + 1.0)
         news = []
