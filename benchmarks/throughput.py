@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['ours_median_samples_per_s']:15.0f} {r['torchrun_median_samples_per_s']:10.0f} "
               f"{r['ratio_ours_over_torchrun']:7.3f} {r['paired_ratio_median']:7.3f}  (goal >= {GOAL_RATIO}; "
               f"ours faster in {r['rounds_ours_faster']} of {len(r['paired_ratios'])} rounds)")
-    print(f"wrote {RESULTS / 'throughput.json'} and throughput.png")
+    print(f"wrote {RESULTS / stem}.json and {stem}.png")
 
 
 if __name__ == "__main__":
