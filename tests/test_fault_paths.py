@@ -279,15 +279,17 @@ def test_a_generation_ended_by_a_death_does_not_wait_out_the_survivors_long_poll
     """Survivors blocked in a collective with a lost peer have no news, and their long polls are in flight: the
     generation's end asks them to answer at once instead of waiting the polls out (60 s here)."""
     members = [Member(actor=_WorkerMailbox.remote(), slot=None, name=f"worker{rank}") for rank in range(3)]
-    poller = GenerationPoller(members, wait_s=60.0)
-    poller.poll(timeout_s=10.0)  # every first poll answers at once; the next ones wait for news
-    os.kill(ray.get(members[1].actor.pid.remote()), signal.SIGKILL)
-    deadline = time.monotonic() + 30.0
-    while not poller.statuses()[1].dead and time.monotonic() < deadline:
-        poller.poll(timeout_s=1.0)
-    assert poller.statuses()[1].dead and not poller.statuses()[0].dead
-    started = time.monotonic()
-    poller.finish()
-    assert time.monotonic() - started < 10.0
-    for member in members:
-        ray.kill(member.actor)
+    try:
+        poller = GenerationPoller(members, wait_s=60.0)
+        poller.poll(timeout_s=10.0)  # every first poll answers at once; the next ones wait for news
+        os.kill(ray.get(members[1].actor.pid.remote()), signal.SIGKILL)
+        deadline = time.monotonic() + 30.0
+        while not poller.statuses()[1].dead and time.monotonic() < deadline:
+            poller.poll(timeout_s=1.0)
+        assert poller.statuses()[1].dead and not poller.statuses()[0].dead
+        started = time.monotonic()
+        poller.finish()
+        assert time.monotonic() - started < 10.0
+    finally:
+        for member in members:
+            ray.kill(member.actor)
