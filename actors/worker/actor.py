@@ -138,10 +138,10 @@ class TrainWorkerProcess:
 
     def poll(self, wait_s: float = 0.0, seen: int = -1) -> Any:
         """The worker's WorkerStatus (actors/worker/mailbox.py)."""
-        return self.worker.poll(wait_s, seen)
+        return self.worker.status.poll(wait_s, seen)
 
     def answer_now(self) -> None:
-        self.worker.answer_now()
+        self.worker.status.answer_now()
 
     def save_checkpoint(self) -> str:
         return self.worker.save_checkpoint()

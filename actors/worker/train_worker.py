@@ -12,11 +12,12 @@ Lifecycle (each call from the Controller, on every member together)::
     worker.restore_from_peers(plan)    sharded state: from the shards the members kept (strategies/peer_restore.py)
     worker.restore(path | None)        sharded state: from a checkpoint (None: a fresh start)
     worker.train(until_step, faults)   starts the loop thread; returns at once
-    worker.poll(wait_s, seen)          -> WorkerStatus(phase, step, new StepResults, events, error)
+    worker.status.poll(wait_s, seen)   -> WorkerStatus(phase, step, new StepResults, events, error)
 
 The worker keeps the group lifecycle and composes the rest, one job each: the step loop
-(actors/worker/training_loop.py), the status mailbox that ``poll`` reads (actors/worker/mailbox.py, a long poll),
-the checkpoint saves (actors/worker/saver.py) and fault injection (actors/faults/plan.py).
+(actors/worker/training_loop.py), the status mailbox ``status`` that the Controller polls
+(actors/worker/mailbox.py, a long poll), the checkpoint saves (actors/worker/saver.py) and fault injection
+(actors/faults/plan.py).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from raylastic.actors.processes.allocator import keep_freed_memory
 from raylastic.actors.processes.priority import run_at_normal_priority
 from raylastic.actors.processes.setup_hook import ProcessStart
 from raylastic.actors.rendezvous.store import RayStore
-from raylastic.actors.status.worker import WorkerStatus
 from raylastic.actors.worker.actor import JoinReport, WorkerSpec
 from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.mailbox import StatusMailbox
@@ -347,15 +347,6 @@ class TrainWorker:
         """Vote to stop at a step boundary (the next vote's, ~actors.worker.stop_vote.VOTE_PERIOD_S away);
         every rank stops after the same step."""
         self.loop.request_stop()
-
-    def poll(self, wait_s: float = 0.0, seen: int = -1) -> WorkerStatus:
-        """Phase, committed step and the step results since the last poll; waits up to ``wait_s``
-        for news after version ``seen``."""
-        return self.status.poll(wait_s, seen)
-
-    def answer_now(self) -> None:
-        """End a ``poll`` that is waiting for news now."""
-        self.status.answer_now()
 
     def save_checkpoint(self) -> str:
         """Collective: write this step's checkpoint now (unless the loop already did) and wait for it."""
