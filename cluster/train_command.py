@@ -26,10 +26,10 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def load_job_or_report(args: argparse.Namespace, console: Console):
     """The validated JobConfig, or None after printing the error (no traceback)."""
-    from raylastic.workloads import check_workload
-
     try:
         job = job_from_arguments(args, *(["training.profile_steps=5"] if args.profile else []))
+        from raylastic.workloads import check_workload  # imports torch: after the config's own checks
+
         check_workload(job.workload.name, job.parallel.tp, job.parallel.pp)
         return job
     except ValueError as error:

@@ -23,9 +23,12 @@ pytestmark = pytest.mark.processes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RAY_INIT_EXIT_CODE = 99
-# Equivalent to `python -m raylastic ARGS`, with ray.init replaced by an exit.
+TORCH_NOT_IMPORTED = "test guard: torch was not imported"
+# Equivalent to `python -m raylastic ARGS`, with ray.init replaced by an exit; it says at exit whether torch was
+# imported (a bad config is reported in a fraction of a second, before torch's ~2 s import).
 GUARDED_MAIN = f"""
-import runpy, sys
+import atexit, runpy, sys
+atexit.register(lambda: "torch" in sys.modules or sys.stderr.write("\\n{TORCH_NOT_IMPORTED}\\n"))
 import ray
 def _refuse(*args, **kwargs):
     sys.stderr.write("test guard: ray.init was reached\\n")
@@ -79,9 +82,10 @@ HELP_COMMANDS = {"top": ["--help"], "train": ["train", "--help"]}
 
 @pytest.fixture(scope="module")
 def finished() -> dict[str, subprocess.CompletedProcess]:
-    """Every command of this module, started at once (each spends ~1.5 s importing torch and Ray)."""
+    """Every command of this module, started at once (each imports Ray, ~0.5 s, for the guard)."""
     started = {case.id: _start([sys.executable, "-c", GUARDED_MAIN, "train", *case.values[0]])
                for case in BAD_CONFIGS}
+    started["sweep-unknown-key"] = _start([sys.executable, "-c", GUARDED_MAIN, "sweep", "--set", "training.stepz=3"])
     script = _console_script()
     if script is not None:
         started.update({f"help-{key}": _start([script, *args]) for key, args in HELP_COMMANDS.items()})
@@ -96,8 +100,15 @@ def test_bad_config_prints_one_error_and_exits_2(finished, request, args, fragme
     assert "Traceback" not in stderr + completed.stdout, stderr
     assert completed.returncode == 2, (completed.returncode, stderr)
     assert stderr.startswith("error: "), stderr
+    assert TORCH_NOT_IMPORTED in stderr
     for fragment in fragments:
         assert fragment in stderr, f"{fragment!r} not in {stderr!r}"
+
+
+def test_sweep_reports_a_bad_base_job_before_importing_ray_tune_or_torch(finished):
+    completed = finished["sweep-unknown-key"]
+    assert completed.returncode == 2, completed.stderr
+    assert completed.stderr.startswith("error: unknown key training.stepz") and TORCH_NOT_IMPORTED in completed.stderr
 
 
 def _help(finished: dict[str, subprocess.CompletedProcess], key: str) -> str:

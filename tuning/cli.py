@@ -47,11 +47,12 @@ def run(args: argparse.Namespace) -> int:
     errors = Console(stderr=True, soft_wrap=True)
     out = Console(soft_wrap=True)
     from raylastic.tuning.search_space import SearchSpace
-    from raylastic.tuning.tuner import sweep
 
     try:
         base = job_from_arguments(args)
         space = SearchSpace.from_yaml(args.space) if args.space else None
+        from raylastic.tuning.tuner import sweep  # Ray Tune, Optuna and torch: after the job's and space's checks
+
         out.print(f"raylastic: sweeping {args.num_samples} trials of {base.workload.name} "
                   f"({args.metric}, {args.mode})", highlight=False)
         result = sweep(base, space, num_samples=args.num_samples, metric=args.metric, mode=args.mode,

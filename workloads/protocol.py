@@ -65,10 +65,11 @@ not depend on the world size or the micro-batch size; with it, masks follow the 
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-from torch.utils.data import Dataset
+if TYPE_CHECKING:  # annotations only: naming a workload that cannot be imported is reported without torch's import
+    import torch
+    from torch.utils.data import Dataset
 
 REQUIRED_METHODS = ("build_model", "train_dataset", "training_step")
 
