@@ -75,6 +75,26 @@ def test_a_get_answers_once_another_process_sets_the_key(keys):
     ray.get(done, timeout=60)
 
 
+def test_a_wait_brings_the_peers_addresses_set_so_far_and_later_waits_for_them_make_no_call(keys):
+    """gloo waits for each peer's address in turn: O(N) calls per rank unless the first wait brings them along."""
+    writer = RayStore(keys, timeout=TIMEOUT)
+    for rank in range(4):
+        writer.set(f"g/0/{rank}", f"address {rank}")
+    writer.add("g/0/joined", 1)  # not a rank's key: a counter, never brought along (it would go stale)
+    store = RayStore(keys, timeout=TIMEOUT)
+    addresses = []
+    for rank in range(4):
+        store.wait([f"g/0/{rank}"])
+        addresses.append(store.get(f"g/0/{rank}"))
+    assert addresses == [f"address {rank}".encode() for rank in range(4)] and store.calls == 1
+    writer.add("g/0/joined", 1)
+    store.wait(["g/0/joined"])
+    assert store.get("g/0/joined") == b"2" and store.calls == 2
+    writer.set("g/0/4", "address 4")  # set after the first wait: asked for
+    store.wait(["g/0/4"])
+    assert store.get("g/0/4") == b"address 4" and store.calls == 3
+
+
 def test_a_store_whose_actor_is_gone_raises_without_waiting_out_its_timeout(keys):
     store = RayStore(keys, timeout=timedelta(seconds=120))
     ray.kill(keys)

@@ -41,6 +41,8 @@ class RendezvousKeysStore:
         self._aborted: set[str] = set()
         """Key prefixes whose waits end at once, raising RendezvousAborted."""
         self._changed = asyncio.Condition()
+        self._rank_keys: dict[str, dict[str, bytes]] = {}
+        """The keys that are a rank's (``rank_key_parent``), by their parent."""
 
     async def set(self, key: str, value: bytes) -> None:
         await self._store(key, value)
@@ -61,10 +63,14 @@ class RendezvousKeysStore:
 
     async def wait(self, keys: list[str], timeout_s: float) -> dict[str, bytes] | None:
         """The values of ``keys`` once every one is set (a rank's ``get`` of them usually follows: it saves
-        those calls); None if they are not all set within ``timeout_s``."""
-        if await self._until(keys, lambda: all(key in self._values for key in keys), timeout_s):
-            return {key: self._values[key] for key in keys}
-        return None
+        those calls), and of the peers' keys set so far beside any that is a rank's (``rank_key_parent``: gloo
+        waits for every peer's address in turn, so the first wait brings most of them; O(N) calls to form a group
+        of N, not O(N^2)); None if they are not all set within ``timeout_s``."""
+        if not await self._until(keys, lambda: all(key in self._values for key in keys), timeout_s):
+            return None
+        peers = [self._rank_keys.get(parent, {}) for parent in {rank_key_parent(key) for key in keys} - {None}]
+        return {key: value for found in peers for key, value in found.items()} | {key: self._values[key]
+                                                                                   for key in keys}
 
     async def add(self, key: str, amount: int) -> int:
         value = int(self._values.get(key, b"0")) + amount
@@ -84,6 +90,7 @@ class RendezvousKeysStore:
         return all(key in self._values for key in keys)
 
     def delete_key(self, key: str) -> bool:
+        self._rank_keys.get(rank_key_parent(key) or "", {}).pop(key, None)
         return self._values.pop(key, None) is not None
 
     def num_keys(self) -> int:
@@ -95,6 +102,8 @@ class RendezvousKeysStore:
     async def _store(self, key: str, value: bytes) -> None:
         async with self._changed:
             self._values[key] = value
+            if (parent := rank_key_parent(key)) is not None:
+                self._rank_keys.setdefault(parent, {})[key] = value
             self._changed.notify_all()
 
     async def _until(self, keys: list[str], ready: Callable[[], bool], timeout_s: float) -> bool:
@@ -111,6 +120,14 @@ class RendezvousKeysStore:
                 raise RendezvousAborted(f"the rendezvous of {keys} was called off: a member was lost while the "
                                         "group formed")
         return True
+
+
+def rank_key_parent(key: str) -> str | None:
+    """``<parent>`` of a key ``<parent>/<n>`` that is one rank's in a group forming: gloo's address of rank n
+    (``<group prefix>/<device>/<n>``), NCCL's n-th unique id. Each is set once, by one rank, so a copy fetched
+    early is never stale. None for any other key (counters, barriers)."""
+    parent, _, last = key.rpartition("/")
+    return parent if parent and last.isdecimal() else None
 
 
 def call_off_generation(keys: Any, store_prefix: str, generation: int) -> None:
