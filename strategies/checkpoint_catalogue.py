@@ -86,14 +86,14 @@ def latest_checkpoint(root: str | os.PathLike) -> Checkpoint | None:
 
 def newest_complete(root: str | os.PathLike, max_step: int | None = None, skip: Collection[str] = ()
                     ) -> tuple[Checkpoint | None, list[Rejected]]:
-    """As ``newest_loadable``, but its files are checked by their sizes only, none read: what the head node
-    may check of a checkpoint on shared storage. The ranks that load it compare the checksums
-    (``verify_for_load``). ``skip``: checkpoints already refused."""
+    """As ``newest_loadable``, but its files are checked by their sizes only, none read (DCP's metadata neither):
+    what the head node may check of a checkpoint on shared storage. The ranks that load it compare the checksums
+    and read the metadata (``verify_for_load``). ``skip``: checkpoints already refused."""
     rejected = []
     for checkpoint in reversed(complete_checkpoints(root)):
         if (max_step is not None and checkpoint.manifest.step > max_step) or checkpoint.path in skip:
             continue
-        reason = verify(checkpoint.path, checkpoint.manifest, checksummed=())
+        reason = verify(checkpoint.path, checkpoint.manifest, checksummed=(), metadata=False)
         if reason is None:
             return checkpoint, rejected
         rejected.append(Rejected(checkpoint.path, reason))

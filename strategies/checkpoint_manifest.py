@@ -93,13 +93,15 @@ def read_manifest(directory: str) -> CheckpointManifest | None:
     return manifest if well_formed else None
 
 
-def verify(directory: str, manifest: CheckpointManifest, *, checksummed: Collection[str] | None = None) -> str | None:
+def verify(directory: str, manifest: CheckpointManifest, *, checksummed: Collection[str] | None = None,
+           metadata: bool = True) -> str | None:
     """Why ``directory`` must not be loaded (a missing, truncated or altered file, metadata that is not
     DCP's plain own or names files the manifest does not list), or None if it is intact. ``checksummed``: the
     files whose checksums are compared (None: all); the others are checked by their size only, without being
-    read (``checksum_share``: each loading rank reads its share)."""
+    read (``checksum_share``: each loading rank reads its share). ``metadata=False``: DCP's metadata is not
+    read either (reading it imports torch: the Controller leaves it to the ranks that load)."""
     try:
-        return _problem(directory, manifest, checksummed)
+        return _problem(directory, manifest, checksummed, metadata)
     except Exception as error:  # noqa: BLE001 - whatever is wrong with it, it is not loaded
         return f"cannot be checked: {type(error).__name__}: {error}"
 
@@ -117,7 +119,8 @@ def checksum_share(manifest: CheckpointManifest, rank: int, world_size: int) -> 
     return shares[rank]
 
 
-def _problem(directory: str, manifest: CheckpointManifest, checksummed: Collection[str] | None) -> str | None:
+def _problem(directory: str, manifest: CheckpointManifest, checksummed: Collection[str] | None,
+             metadata: bool) -> str | None:
     fs, path = filesystem(directory)
     if manifest.format != FORMAT:
         return f"format {manifest.format!r}, expected {FORMAT!r}"
@@ -129,7 +132,7 @@ def _problem(directory: str, manifest: CheckpointManifest, checksummed: Collecti
             return f"{name} has {fs.size(file)} bytes, the manifest says {expected['size']}"
         if (checksummed is None or name in checksummed) and _sha256(fs, file) != expected["sha256"]:
             return f"{name} does not match its checksum"
-    if (problem := file_problem(directory, METADATA_NAME)) is not None:
+    if (problem := file_problem(directory, METADATA_NAME)) is not None or not metadata:
         return problem
     from raylastic.strategies.checkpoint_metadata import load_metadata  # torch's DCP classes: only where one is checked
 

@@ -170,6 +170,21 @@ def test_a_runs_controller_never_imports_torch_the_final_model_included(tmp_path
     assert all(torch.equal(tensor, written[name]) for name, tensor in result.model_state.items())
 
 
+def test_a_resumed_runs_controller_imports_no_torch_either(tmp_path):
+    """A run that resumes picks its checkpoint by the files' sizes; DCP's metadata is read by the ranks that load."""
+    train(job("training.steps=2", name="resumed"), run_dir=tmp_path)
+    seen: dict = {}
+
+    def on_progress(progress: RunStatus) -> None:
+        if progress.state == "finished":
+            seen.update(ray.get(ray.get_actor(controller_name("resumed")).__ray_call__.remote(training_imports),
+                                timeout=60))
+
+    result = train(job("training.steps=3", name="resumed"), run_dir=tmp_path, on_progress=on_progress)
+    assert [e.step for e in result.events if e.type == "resumed"] == [2] and result.final_step == 3
+    assert seen == {"imported": False, "torch": False, "dynamo": False}
+
+
 @pytest.mark.parametrize("name", [name for name in STRATEGIES if name != "async_ps"])
 def test_the_configs_replicated_flag_is_the_built_strategys(name):
     from raylastic.strategies.build import build_strategy
