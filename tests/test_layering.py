@@ -14,6 +14,7 @@ import ast
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -151,17 +152,24 @@ def test_the_controller_side_imports_no_torch(module):
     assert done.stdout.strip() == "[]", f"{module} imports {done.stdout.strip()}"
 
 
+def controller_imports_at_finish(run_name: str) -> tuple[Callable[[RunStatus], None], dict]:
+    """An on_progress callback that asks run ``run_name``'s Controller what it imported once the run has finished
+    (the Controller has returned the result, and still lives), and the dict its answer goes to."""
+    seen: dict = {}
+
+    def on_progress(progress: RunStatus) -> None:
+        if progress.state == "finished":
+            seen.update(ray.get(ray.get_actor(controller_name(run_name)).__ray_call__.remote(training_imports),
+                                timeout=60))
+
+    return on_progress, seen
+
+
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_a_runs_controller_never_imports_torch_the_final_model_included(tmp_path, strategy):
     """The full model passes through the Controller as model.pt's bytes, read back in the driver."""
-    seen: dict = {}
-
-    def on_progress(progress: RunStatus) -> None:
-        if progress.state == "finished":  # the Controller has returned the result, and still lives
-            seen.update(ray.get(ray.get_actor(controller_name(f"imports-{strategy}")).__ray_call__.remote(
-                training_imports), timeout=60))
-
+    on_progress, seen = controller_imports_at_finish(f"imports-{strategy}")
     result = train(job(f"strategy.name={strategy}", "training.steps=3", name=f"imports-{strategy}"),
                    run_dir=tmp_path, on_progress=on_progress)
     assert seen == {"imported": False, "torch": False, "dynamo": False}
@@ -170,16 +178,11 @@ def test_a_runs_controller_never_imports_torch_the_final_model_included(tmp_path
     assert all(torch.equal(tensor, written[name]) for name, tensor in result.model_state.items())
 
 
+@pytest.mark.usefixtures("ray_local")
 def test_a_resumed_runs_controller_imports_no_torch_either(tmp_path):
     """A run that resumes picks its checkpoint by the files' sizes; DCP's metadata is read by the ranks that load."""
     train(job("training.steps=2", name="resumed"), run_dir=tmp_path)
-    seen: dict = {}
-
-    def on_progress(progress: RunStatus) -> None:
-        if progress.state == "finished":
-            seen.update(ray.get(ray.get_actor(controller_name("resumed")).__ray_call__.remote(training_imports),
-                                timeout=60))
-
+    on_progress, seen = controller_imports_at_finish("resumed")
     result = train(job("training.steps=3", name="resumed"), run_dir=tmp_path, on_progress=on_progress)
     assert [e.step for e in result.events if e.type == "resumed"] == [2] and result.final_step == 3
     assert seen == {"imported": False, "torch": False, "dynamo": False}

@@ -68,9 +68,10 @@ class RendezvousKeysStore:
         of N, not O(N^2)); None if they are not all set within ``timeout_s``."""
         if not await self._until(keys, lambda: all(key in self._values for key in keys), timeout_s):
             return None
-        peers = [self._rank_keys.get(parent, {}) for parent in {rank_key_parent(key) for key in keys} - {None}]
-        return {key: value for found in peers for key, value in found.items()} | {key: self._values[key]
-                                                                                   for key in keys}
+        values: dict[str, bytes] = {}
+        for parent in {rank_key_parent(key) for key in keys} - {None}:
+            values.update(self._rank_keys.get(parent, {}))
+        return values | {key: self._values[key] for key in keys}
 
     async def add(self, key: str, amount: int) -> int:
         value = int(self._values.get(key, b"0")) + amount
