@@ -9,7 +9,6 @@ test runs a real 3-step job with the ``raylastic`` script, from the directory th
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -124,32 +123,20 @@ def test_top_level_help_lists_train(finished):
     assert "usage: raylastic" in stdout and "train" in stdout
 
 
-def test_console_script_imports_a_workload_from_the_working_directory(tmp_path):
-    """``raylastic train`` run where the user's module is: the driver and the workers import it from there
-    (a broken module is named with its error, before Ray starts)."""
+def test_console_script_names_a_broken_workload_module_of_the_working_directory_before_ray_starts(tmp_path):
+    """``raylastic train`` run where the user's module is imports it from there (a module that imports is trained
+    from there: test_cluster_submit's laptop-mode run)."""
     script = _console_script()
     if script is None:
         pytest.skip("the raylastic console script is not installed (pip install -e .)")
-    (tmp_path / "my_workload.py").write_text(
-        "from raylastic.workloads.digits import Digits\n\n\nclass MyDigits(Digits):\n    pass\n")
     (tmp_path / "broken_workload.py").write_text("raise RuntimeError('no data here')\n")
     env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
-    job = ["--set", "name=cwd", "--set", "training.steps=3", "--set", "scaling.min_workers=1",
-           "--set", "scaling.max_workers=1", "--set", "scaling.cpus_per_worker=0.5", "--run-dir", "run"]
-
-    broken = subprocess.run([script, "train", *job, "--set", "workload.name=broken_workload:W"], cwd=tmp_path,
+    broken = subprocess.run([script, "train", "--set", "workload.name=broken_workload:W"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=120)
     stderr = ANSI_ESCAPE.sub("", broken.stderr)
     assert broken.returncode == 2 and "Traceback" not in stderr, stderr
     assert stderr.startswith("error: workload.name='broken_workload:W': importing module 'broken_workload' raised "
                              "RuntimeError: no data here"), stderr
-
-    done = subprocess.run([script, "train", *job, "--set", "workload.name=my_workload:MyDigits"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert (result["status"], result["final_step"]) == ("finished", 3)
-    assert result["config"]["workload"]["name"] == "my_workload:MyDigits"
 
 
 def test_train_and_sweep_take_the_same_job_arguments():

@@ -23,27 +23,19 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.util.placement_group import placement_group_table
 
-from raylastic.actors.status.run import RunFailed, RunStatus
+from raylastic.actors.status.run import RunStatus
 from raylastic.cluster.import_path import after_standard_library
 from raylastic.cluster.job import RunStopped, train
 from raylastic.cluster.termination import StopRequest, sigterm_asks
-from raylastic.jobconfig.naming import controller_name, slot_name
-from tests.support.helpers import job, wait_until_gone
+from raylastic.jobconfig.naming import controller_name
+from tests.support.helpers import held_slots, job, wait_until_gone
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SLOW = ("workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.05}")
 STALLING = ("workload.name=tests.support.stall_workload:StallingDigits",
             "workload.options={stall_from: 3, stall_s: 600}",
             "scaling.min_workers=1", "scaling.max_workers=1")
-
-
-def held_slots(run: str) -> list[str]:
-    """The run's placement groups (``slot_name(run, n)``) that Ray still holds, with their states."""
-    head = slot_name(run, 0).removesuffix("0")
-    return sorted(f"{info['name']} {info['state']}" for info in placement_group_table().values()
-                  if info["name"].startswith(head) and info["state"] != "REMOVED")
 
 
 def raylastic() -> list[str]:
@@ -155,34 +147,6 @@ def test_a_controller_that_does_not_stop_within_the_bound_is_ended_and_result_js
     assert (saved["status"], saved["final_step"]) == ("stopped", 2) and "did not stop within" in saved["error"]
     assert held_slots("stalled") == []
     wait_until_gone(controller_name("stalled"))
-
-
-# -- a long-lived driver --------------------------------------------------------------------------------------
-
-
-@pytest.mark.usefixtures("ray_local")
-def test_a_controller_killed_under_a_long_lived_driver_leaves_no_placement_group(tmp_path):
-    """A notebook: Ray stays up after the run, so nothing but the driver removes the killed Controller's slots."""
-    outcome: list[object] = []
-    steps: list[int] = []
-    config = job(*SLOW, "training.steps=400", "scaling.min_workers=2", "scaling.max_workers=2", name="notebook")
-
-    def run() -> None:
-        try:
-            outcome.append(train(config, run_dir=tmp_path / "run", on_progress=lambda p: steps.append(p.step)))
-        except BaseException as error:  # noqa: BLE001 - the test inspects it
-            outcome.append(error)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 240
-    while (not steps or steps[-1] < 3) and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(held_slots("notebook")) == 2, (held_slots("notebook"), outcome)
-    ray.kill(ray.get_actor(controller_name("notebook")))
-    thread.join(120)
-    assert not thread.is_alive() and isinstance(outcome[0], RunFailed), outcome
-    assert held_slots("notebook") == []  # at once: train() removed them before it returned
 
 
 # -- the SIGTERM handler --------------------------------------------------------------------------------------

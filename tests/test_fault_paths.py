@@ -76,15 +76,6 @@ def test_a_bug_in_the_workload_fails_the_run_at_once_with_its_traceback(tmp_path
     assert not events_of(run_dir, "generation_formed")[1:]  # never re-formed: nothing was retried
 
 
-def test_workers_lost_together_count_as_one_failure(tmp_path, undisturbed):
-    faults = "faults=[{action: kill, rank: 1, step: 12}, {action: kill, rank: 2, step: 12}]"
-    config = job(*BASE, "scaling.min_workers=1", "scaling.max_workers=3", faults, "failure.max_failures=1",
-                 name="together")
-    result = train(config, run_dir=tmp_path / "together")  # as a node with two workers lost
-    assert len(events_of(result, "worker_failed")) == 2
-    assert_states_close(load_model(tmp_path / "together"), undisturbed)
-
-
 def test_replicated_run_losing_every_worker_goes_on_from_its_checkpoint(tmp_path, undisturbed):
     run_dir = tmp_path / "all"
     faults = "faults=[{action: kill, rank: 0, step: 17}, {action: kill, rank: 1, step: 17}]"

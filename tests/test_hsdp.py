@@ -1,6 +1,6 @@
 """Sharded state with strategy.replicas copies (HSDP, issue 18) on local gloo groups, no Ray.
 
-The math at R = 2 is the math at R = 1 (gradients averaged over every rank); a checkpoint saved with
+The math at R = 2 is one process's (gradients averaged over every rank); a checkpoint saved with
 two copies loads at another layout; and the shards the ranks keep when they leave a generation rebuild
 the whole state in a smaller or equal group, at any stage and replica count, without a file.
 
@@ -22,18 +22,32 @@ from raylastic.strategies.peer_restore import plan_peer_restore
 from raylastic.strategies.process_group import leave_group
 from raylastic.strategies.shard_copy import gather_shards, keep_shards, load_full_state
 from tests.support.distributed_harness import run_distributed
-from tests.support.strategy_runs import restore_and_report, setup, train_and_report
+from tests.support.strategy_runs import restore_and_report, setup, train_and_report, train_each_and_report
 
 STEPS = 3
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-def test_two_copies_train_as_one(strategy):
-    one = run_distributed(train_and_report, 4, strategy, STEPS, None, "adamw", 1, timeout_s=120)[0]
-    two = run_distributed(train_and_report, 4, strategy, STEPS, None, "adamw", 2, timeout_s=120)[0]
-    assert one.keys() == two.keys() and any(key.startswith("optim.state.") for key in one)
-    for key in one:  # Adam's noise on near-zero gradients: see tests/test_zero.py's ABSOLUTE_TOLERANCE
-        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-4, msg=key)
+TWO_COPIES = ("zero1", "zero2", "zero3")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[dict, dict[str, dict], str]:
+    """One process training the job alone; 4 ranks training it with two copies under each of TWO_COPIES in
+    turn (zero3's run saves a checkpoint); the checkpoint's path."""
+    root = str(tmp_path_factory.mktemp("two-copies"))
+    alone = run_distributed(train_and_report, 1, "ddp", STEPS, timeout_s=120)[0]
+    runs = [{"strategy_name": name, "steps": STEPS, "replicas": 2, "checkpoint_root": root if name == "zero3" else None}
+            for name in TWO_COPIES]
+    two = run_distributed(train_each_and_report, 4, runs, timeout_s=240)[0]
+    return alone, dict(zip(TWO_COPIES, two, strict=True)), complete_checkpoints(root)[-1].path
+
+
+@pytest.mark.parametrize("strategy", TWO_COPIES)
+def test_two_copies_train_as_one_process(trained, strategy):
+    alone, two, _ = trained
+    assert alone.keys() == two[strategy].keys() and any(key.startswith("optim.state.") for key in alone)
+    for key in alone:  # Adam's noise on near-zero gradients: see tests/test_zero.py's ABSOLUTE_TOLERANCE
+        torch.testing.assert_close(two[strategy][key], alone[key], rtol=1e-4, atol=1e-4, msg=key)
 
 
 def _held(settings: list[tuple[str, int]]) -> list[tuple[int, dict[str, int]]]:
@@ -58,9 +72,10 @@ def test_two_copies_hold_twice_the_sharded_state_per_rank():
         assert zero3_two[1][kind] > 1.5 * zero3_one[1][kind], kind
 
 
-def test_a_checkpoint_saved_with_two_copies_loads_exactly_at_three_ranks(tmp_path):
-    saved = run_distributed(train_and_report, 4, "zero3", STEPS, str(tmp_path), "adamw", 2, timeout_s=120)[0]
-    loaded = run_distributed(restore_and_report, 3, "zero2", complete_checkpoints(str(tmp_path))[-1].path)[0]
+def test_a_checkpoint_saved_with_two_copies_loads_exactly_at_three_ranks(trained):
+    _, two, path = trained
+    saved = two["zero3"]
+    loaded = run_distributed(restore_and_report, 3, "zero2", path)[0]
     assert loaded.keys() == saved.keys()
     for key in saved:
         assert torch.equal(loaded[key], saved[key]), key

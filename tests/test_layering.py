@@ -166,26 +166,19 @@ def controller_imports_at_finish(run_name: str) -> tuple[Callable[[RunStatus], N
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
-def test_a_runs_controller_never_imports_torch_the_final_model_included(tmp_path, strategy):
-    """The full model passes through the Controller as model.pt's bytes, read back in the driver."""
-    on_progress, seen = controller_imports_at_finish(f"imports-{strategy}")
-    result = train(job(f"strategy.name={strategy}", "training.steps=3", name=f"imports-{strategy}"),
-                   run_dir=tmp_path, on_progress=on_progress)
-    assert seen == {"imported": False, "torch": False, "dynamo": False}
-    written = load_model(tmp_path)
-    assert set(result.model_state) == set(written) and written
-    assert all(torch.equal(tensor, written[name]) for name, tensor in result.model_state.items())
-
-
-@pytest.mark.usefixtures("ray_local")
-def test_a_resumed_runs_controller_imports_no_torch_either(tmp_path):
-    """A run that resumes picks its checkpoint by the files' sizes; DCP's metadata is read by the ranks that load."""
-    train(job("training.steps=2", name="resumed"), run_dir=tmp_path)
-    on_progress, seen = controller_imports_at_finish("resumed")
-    result = train(job("training.steps=3", name="resumed"), run_dir=tmp_path, on_progress=on_progress)
-    assert [e.step for e in result.events if e.type == "resumed"] == [2] and result.final_step == 3
-    assert seen == {"imported": False, "torch": False, "dynamo": False}
+def test_a_runs_controller_never_imports_torch_the_final_model_and_a_resume_included(tmp_path):
+    """The full model (gathered from zero2's shards) passes through the Controller as model.pt's bytes, read back in
+    the driver; a run that resumes picks its checkpoint by the files' sizes, DCP's metadata read by the ranks that
+    load."""
+    for steps, resumed_from in ((2, []), (3, [2])):
+        on_progress, seen = controller_imports_at_finish("imports")
+        result = train(job("strategy.name=zero2", f"training.steps={steps}", name="imports"), run_dir=tmp_path,
+                       on_progress=on_progress)
+        assert [e.step for e in result.events if e.type == "resumed"] == resumed_from
+        assert result.final_step == steps and seen == {"imported": False, "torch": False, "dynamo": False}
+        written = load_model(tmp_path)
+        assert set(result.model_state) == set(written) and written
+        assert all(torch.equal(tensor, written[name]) for name, tensor in result.model_state.items())
 
 
 @pytest.mark.parametrize("name", [name for name in STRATEGIES if name != "async_ps"])

@@ -2,7 +2,14 @@
 half of the workers. Lost without notice, its workers fail and the run carries on with the other
 half; drained first (by the Controller, or by Ray on a preemption notice), they leave at a step boundary
 and nothing fails when the node goes. Either way the result is the undisturbed run's, every step applied
-exactly once."""
+exactly once.
+
+On the same two nodes, hierarchical all-reduce (``strategy.hierarchical=true``: reduce inside each node,
+all-reduce between the two node leaders, broadcast inside each node) averages the same gradients as one
+process training on the whole batch, so its final parameters are allclose to that run's. The hook's node
+layout comes from the workers' Ray node ids, so the test also checks that the workers really sat on two
+nodes, 2 + 2, and that the run took its two-level path: a non-leader rank sends nothing across nodes (a
+step's traffic is half a flat all-reduce's, where every rank sends its whole gradient)."""
 
 from __future__ import annotations
 
@@ -12,19 +19,23 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray.util import placement_group_table
 
+from raylastic.actors.status.run import RunStatus
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import NAMESPACE, controller_name
 from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
+from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import applied_samples, assert_states_close, job, load_model
-from tests.support.strategy_runs import undisturbed_run
+from tests.support.strategy_runs import train_job_alone, undisturbed_run
 
 STEPS = 60  # ~4 s: progress (every second) sees step 10-15 at world size 4 well before the end
 BASE = (f"training.steps={STEPS}", "training.record_samples=true", "scaling.min_workers=2",
@@ -199,3 +210,35 @@ def test_sigterm_to_a_ray_start_block_node_moves_the_workers_out_before_it_goes(
     sizes = [row["world_size"] for row in result.history]
     assert sizes[0] == 4 and sizes[-1] == 2 and sorted(sizes) == sizes[::-1]
     assert_same_as_reference(result, run_dir, reference)
+
+
+# -- hierarchical all-reduce on the two nodes -------------------------------------------------------------------
+
+HIERARCHICAL = ("training.steps=30", "scaling.min_workers=4", "scaling.max_workers=4", "scaling.cpus_per_worker=1",
+                "scaling.placement_timeout_s=60", "strategy.hierarchical=true")
+
+
+def workers_per_node(run_name: str) -> Counter:
+    """Node id -> number of this run's placed worker slots (one single-bundle placement group each)."""
+    prefix = f"raylastic:{run_name}:slot"
+    return Counter(group["bundles_to_node_id"][0] for group in placement_group_table().values()
+                   if group["name"].startswith(prefix) and group["state"] == "CREATED")
+
+
+def test_hierarchical_all_reduce_on_two_nodes_trains_as_one_process(tmp_path, head, second_node):
+    placement: dict[str, int] = {}
+
+    def record_placement(progress: RunStatus) -> None:
+        if progress.world_size == 4 and not placement:
+            placement.update(workers_per_node("hier"))
+
+    config = job(*HIERARCHICAL, name="hier")
+    result = train(config, run_dir=tmp_path, on_progress=record_placement)
+    node_ids = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    assert sorted(placement.values()) == [2, 2] and set(placement) == node_ids, placement
+    assert result.final_step == 30 and {row["world_size"] for row in result.history} == {4}
+    assert_states_close(load_model(tmp_path), run_distributed(train_job_alone, 1, config, timeout_s=300)[0])
+    # bytes_sent is a step's traffic summed over ranks, uncompressed_bytes a flat all-reduce's (every rank
+    # sends its whole gradient): here only the two node leaders take part in the inter-node all-reduce.
+    final = result.history[-1]
+    assert final["bytes_sent"] * 2 == final["uncompressed_bytes"] > 0, final

@@ -20,7 +20,7 @@ from raylastic.cluster.job import train
 from raylastic.jobconfig import OptimConfig
 from raylastic.strategies.ddp import DDPStrategy
 from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import job, load_model
+from tests.support.helpers import job, load_model, strict_json
 from tests.support.nan_workload import poison_index_for
 
 BAD_STEP = 5
@@ -39,6 +39,8 @@ def test_skip_discards_the_nan_step_on_every_rank_and_trains_on(tmp_path):
     assert all(math.isfinite(row["loss"]) for row in result.history if row["step"] != BAD_STEP)
     assert all(torch.isfinite(tensor).all() for tensor in load_model(tmp_path / "skip").values())
     assert not [e for e in result.events if e.type == "worker_failed"]
+    saved = strict_json(tmp_path / "skip" / "result.json")  # the NaN loss written as null, not a bare NaN
+    assert [row["step"] for row in saved["history"] if row["loss"] is None] == [BAD_STEP]
 
 
 @pytest.mark.usefixtures("ray_local")

@@ -18,21 +18,27 @@ from raylastic.strategies.region_plan import RegionCopy, plan_region_restore
 from raylastic.workloads import load_workload
 from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import REORDERED_SUMS_ATOL, applied_samples, assert_states_close, job, load_model
-from tests.support.parallel_runs import relayout_and_report
+from tests.support.parallel_runs import relayout_each_and_report
 from tests.support.strategy_runs import undisturbed_run
 
+RELAYOUTS = {  # old layout and strategy, new layout and strategy, the old ranks whose parts are lost
+    "pp2-dp2-to-dp2-tp2": (ParallelLayout(pp=2, dp_replicate=2), "ddp", ParallelLayout(dp_shard=2, tp=2), "zero3",
+                           (1,)),
+    "dp2-tp2-to-pp2-tp2": (ParallelLayout(dp_replicate=2, tp=2), "ddp", ParallelLayout(pp=2, tp=2), "zero2", (3,)),
+    "pp2-tp2-to-dp4": (ParallelLayout(pp=2, tp=2), "zero3", None, "zero3", ()),
+}
 
-@pytest.mark.parametrize(("old", "old_strategy", "new", "new_strategy", "lost"), [
-    pytest.param(ParallelLayout(pp=2, dp_replicate=2), "ddp", ParallelLayout(dp_shard=2, tp=2), "zero3", (1,),
-                 id="pp2-dp2-to-dp2-tp2"),
-    pytest.param(ParallelLayout(dp_replicate=2, tp=2), "ddp", ParallelLayout(pp=2, tp=2), "zero2", (3,),
-                 id="dp2-tp2-to-pp2-tp2"),
-    pytest.param(ParallelLayout(pp=2, tp=2), "zero3", None, "zero3", (),
-                 id="pp2-tp2-to-dp4"),
-])
-def test_a_state_kept_in_parts_is_laid_out_anew_exactly(old, old_strategy, new, new_strategy, lost):
-    got = run_distributed(relayout_and_report, old.world_size, old, old_strategy, new, new_strategy, lost,
-                          timeout_s=240)[0]
+
+@pytest.fixture(scope="module")
+def relayouts() -> dict[str, dict]:
+    """Every case of RELAYOUTS, one after the other on the same 4 ranks."""
+    return dict(zip(RELAYOUTS, run_distributed(relayout_each_and_report, 4, list(RELAYOUTS.values()),
+                                               timeout_s=300)[0], strict=True))
+
+
+@pytest.mark.parametrize("case", RELAYOUTS)
+def test_a_state_kept_in_parts_is_laid_out_anew_exactly(relayouts, case):
+    got, lost = relayouts[case], RELAYOUTS[case][-1]
     assert got["restored"].keys() == got["trained"].keys()
     for key, tensor in got["trained"].items():
         assert torch.equal(got["restored"][key], tensor), key

@@ -3,8 +3,6 @@ held by one run at a time, and left with result.json however the run ends (model
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
 import threading
@@ -17,22 +15,12 @@ import ray
 from raylastic.actors.status.run import RunFailed, RunStatus
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name, worker_name
-from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
-from raylastic.strategies.checkpoint_manifest import read_manifest
-from tests.support.helpers import job, wait_until_gone
+from tests.support.helpers import held_slots, job, strict_json, wait_until_gone
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 ONE_WORKER = ("scaling.min_workers=1", "scaling.max_workers=1")
 SLOW = ("workload.name=tests.support.user_workload:SlowDigits", "workload.options={pause_s: 0.05}")
-
-
-def strict_json(path: Path) -> dict:
-    """``path`` parsed as standard JSON: a bare NaN or Infinity (which Python writes by default) fails."""
-    def refuse(constant: str) -> None:
-        raise AssertionError(f"{path} holds a bare {constant}, which is not JSON")
-
-    return json.loads(path.read_text(), parse_constant=refuse)
 
 
 class Background:
@@ -133,13 +121,17 @@ def test_a_run_directory_or_checkpoint_path_in_use_is_refused_at_once_naming_the
 # -- every end leaves result.json ----------------------------------------------------------------------------
 
 
-def test_a_controller_killed_mid_run_ends_it_with_result_json_naming_the_controller(tmp_path):
+def test_a_controller_killed_mid_run_ends_it_with_result_json_naming_the_controller_and_no_slot_held(tmp_path):
+    """As in a notebook: Ray stays up after the run, so nothing but the driver removes the killed Controller's
+    placement groups."""
     run_dir = tmp_path / "run"
     running = Background(job(*SLOW, "training.steps=400", name="orphaned"), run_dir)
     running.wait_for_step(3)
+    assert len(held_slots("orphaned")) == 2, held_slots("orphaned")
     ray.kill(ray.get_actor(controller_name("orphaned")))
     error = running.result(timeout_s=30)
     assert isinstance(error, RunFailed), error
+    assert held_slots("orphaned") == []  # at once: train() removed them before it returned
     assert "the Controller (raylastic:orphaned:controller) died at step" in str(error)
     saved = strict_json(run_dir / "result.json")
     assert saved["status"] == "failed" and "raylastic:orphaned:controller" in saved["error"]
@@ -160,26 +152,3 @@ def test_a_model_file_that_cannot_be_written_fails_the_run_and_never_says_finish
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(("model", "result"))) == [
         "model.pt", "result.json"]  # no temporary file left behind
 
-
-def test_result_json_stays_json_when_the_loss_is_not_finite(tmp_path):
-    from tests.support.nan_workload import poison_index_for
-
-    run_dir = tmp_path / "run"
-    poisoned = ("workload.name=tests.support.nan_workload:PoisonedDigits", "training.on_nonfinite=skip",
-                f"workload.options={{poison_index: {poison_index_for(2, 0, 1, 48)}}}", "training.steps=3")
-    result = train(job(*ONE_WORKER, *poisoned, name="nan"), run_dir=run_dir)
-    assert math.isnan(result.history[1]["loss"])  # step 2 trained on the NaN sample (and was skipped)
-    saved = strict_json(run_dir / "result.json")
-    assert [row["loss"] is None for row in saved["history"]] == [False, True, False]
-
-
-# -- a finished run run again ---------------------------------------------------------------------------------
-
-
-def test_running_a_finished_run_again_keeps_its_checkpoint(finished, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(finished, run_dir)
-    before = read_manifest(str(run_dir / "checkpoints" / "step_00000004"))
-    result = train(job(*ONE_WORKER, "training.steps=4", "checkpoint.every_steps=2", name="finished"), run_dir=run_dir)
-    assert result.final_step == 4 and any(e.type == "resumed" for e in result.events)
-    assert latest_checkpoint(run_dir / "checkpoints").manifest == before  # not deleted and written again

@@ -57,11 +57,15 @@ def assert_trains_as_one_process(got: dict, reference: dict) -> None:
 
 @pytest.mark.parametrize(("layout", "strategy"), [
     pytest.param(ParallelLayout(tp=2), "ddp", id="tp2"),
-    pytest.param(ParallelLayout(dp_shard=2, tp=2), "zero3", id="zero3-dp2-tp2"),
     pytest.param(ParallelLayout(dp_replicate=2, tp=2), "zero2", id="hsdp-2copies-tp2"),
 ])
 def test_a_tensor_parallel_layout_trains_as_one_process(reference, layout, strategy):
     got = run_distributed(train_and_report, layout.world_size, layout, strategy, timeout_s=240)[0]
+    assert_trains_as_one_process_reporting_once_per_tp_group(got, reference, layout)
+
+
+def assert_trains_as_one_process_reporting_once_per_tp_group(got: dict, reference: dict,
+                                                            layout: ParallelLayout) -> None:
     for rank, reports in enumerate(got["reported"]):  # one rank of each tp group reports its samples
         assert all((samples > 0) == (rank % layout.tp == 0) for _, samples, _ in reports), (rank, reports)
     assert_trains_as_one_process(got, reference)
@@ -89,11 +93,13 @@ def test_bf16_under_tp2_trains_as_one_process_in_bf16():
             assert (two["state"][key] - expected).norm() < 0.15 * expected.norm(), key
 
 
-def test_a_checkpoint_saved_at_dp2_tp2_loads_exactly_at_tp2_and_at_dp4_and_exports_whole(tmp_path):
-    saved = run_distributed(train_and_report, 4, ParallelLayout(dp_shard=2, tp=2), "zero3", "fp32", str(tmp_path),
-                            timeout_s=240)[0]["state"]
+def test_zero3_at_dp2_tp2_trains_as_one_process_and_its_checkpoint_loads_exactly_at_tp2_and_dp4(tmp_path,
+                                                                                                reference):
+    layout = ParallelLayout(dp_shard=2, tp=2)
+    got = run_distributed(train_and_report, 4, layout, "zero3", "fp32", str(tmp_path), timeout_s=240)[0]
+    assert_trains_as_one_process_reporting_once_per_tp_group(got, reference, layout)
     path = complete_checkpoints(str(tmp_path))[-1].path
-    assert_loads_exactly_at_tp2_and_dp4(path, saved)
+    assert_loads_exactly_at_tp2_and_dp4(path, got["state"])  # and exports it whole
 
 
 # -- refusals and policies (no processes) ------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Recipes on a real local Ray: the lr schedule across a kill and a resume, dropout with a redone step,
-the DataLoader path's world-size independence, periodic evaluation."""
+"""Recipes on a real local Ray: the lr schedule across a kill and a resume, dropout with a redone step (the
+DataLoader path and periodic evaluation: tests/test_training.py)."""
 
 from __future__ import annotations
 
@@ -63,20 +63,3 @@ def test_dropout_run_is_reproducible_and_a_redone_step_draws_the_same_masks(tmp_
     assert main(["plot", str(tmp_path / "drop3")]) == 0  # the run's losses with its failure marked
     assert (tmp_path / "drop3" / "losses.png").stat().st_size > 10_000
     assert main(["plot", str(tmp_path / "no-such-run")]) == 2
-
-
-def test_dataloader_workers_keep_world_size_independence_and_periodic_evaluation(tmp_path):
-    states, evaluations = {}, {}
-    for workers, loaders in ((1, 0), (3, 2)):
-        name = f"loader{workers}"
-        result = train(job(f"scaling.min_workers={workers}", f"scaling.max_workers={workers}",
-                           f"data.num_workers={loaders}", "training.micro_batch_size=7", "eval.every_steps=5",
-                           name=name), run_dir=tmp_path / name)
-        assert {row["world_size"] for row in result.history} == {workers}
-        states[workers] = load_model(tmp_path / name)
-        evaluations[workers] = result.eval_history
-    assert_states_close(states[1], states[3])
-    assert [e["step"] for e in evaluations[3]] == [5, 10, 15, 20]
-    for single, spread in zip(evaluations[1], evaluations[3], strict=True):
-        assert spread["accuracy"] == pytest.approx(single["accuracy"])
-        assert spread["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-4)

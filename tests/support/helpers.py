@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -12,10 +13,12 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.placement_group import placement_group_table
 
 from raylastic.actors.data.order import GlobalSampleOrder
 from raylastic.actors.status.run import Event, RunStatus
 from raylastic.jobconfig import load_job_config
+from raylastic.jobconfig.naming import slot_name
 from raylastic.workloads.tokens import prepare_corpus, stdlib_corpus_files
 from tests.support.ray_head import process_start_time
 
@@ -77,6 +80,21 @@ class StoppedProcess:
     def _signal(self, signum: int) -> None:
         if self.started is not None and process_start_time(self.pid) == self.started:
             os.kill(self.pid, signum)
+
+
+def held_slots(run: str) -> list[str]:
+    """The run's placement groups (``slot_name(run, n)``) that Ray still holds, with their states."""
+    head = slot_name(run, 0).removesuffix("0")
+    return sorted(f"{info['name']} {info['state']}" for info in placement_group_table().values()
+                  if info["name"].startswith(head) and info["state"] != "REMOVED")
+
+
+def strict_json(path: Path) -> dict:
+    """``path`` parsed as standard JSON: a bare NaN or Infinity (which Python writes by default) fails."""
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{path} holds a bare {constant}, which is not JSON")
+
+    return json.loads(Path(path).read_text(), parse_constant=refuse)
 
 
 def load_model(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -225,6 +225,11 @@ def relayout_and_report(old: ParallelLayout, old_strategy: str, new: ParallelLay
     return {"trained": trained, "restored": restored, "plan": plan, "traffic": traffic_by_rank}
 
 
+def relayout_each_and_report(cases: list[tuple]) -> list[dict[str, Any]]:
+    """``relayout_and_report`` for each of ``cases`` (its arguments) in turn, on the same ranks."""
+    return [relayout_and_report(*case) for case in cases]
+
+
 def _whole_over_stages(strategy, state, pipeline_group, pp: int) -> dict[str, torch.Tensor]:
     """The whole canonical state: each stage's gathered whole, the stages' put together (collective)."""
     mine = whole_state(strategy, state)

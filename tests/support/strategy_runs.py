@@ -60,6 +60,11 @@ def train_and_report(strategy_name: str, steps: int, checkpoint_root: str | None
     return full_state(strategy, state)
 
 
+def train_each_and_report(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``train_and_report(**run)`` for each of ``runs`` in turn, on the same ranks."""
+    return [train_and_report(**run) for run in runs]
+
+
 def train_and_count_bytes(strategy_name: str, steps: int, options: dict | None = None) -> dict[str, Any]:
     """Train ``steps`` steps (adamw, even shares); rank 0: the full state and every step's bytes sent and
     uncompressed bytes (this rank's, as StepResult reports them)."""
