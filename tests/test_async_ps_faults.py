@@ -132,28 +132,26 @@ def test_a_restore_after_a_restore_reads_whole_cuts_and_applies_every_step_once(
     assert sorted(p.name for p in root.glob("ps_*")) == sorted(Path(cut.directory).name for cut in cuts)
 
 
-def test_a_finished_run_run_again_finishes(tmp_path):
-    """Issue 29: the run resumed at its last step applied no update, and its final loss divided by zero."""
-    settings = ("training.steps=20", *ASYNC, "checkpoint.every_steps=10")
-    first = train(job(*settings, name="ps-again"), run_dir=tmp_path)
-    again = train(job(*settings, name="ps-again"), run_dir=tmp_path)
-    assert again.final_step == 20 and again.history == []
-    assert [e.type for e in again.events if e.type in ("resumed", "worker_failed", "server_failed")] == ["resumed"]
-    assert "loss" not in again.metrics and again.metrics["accuracy"] == first.metrics["accuracy"]
-    assert_states_close(load_model(tmp_path), first.model_state, rtol=0, atol=0)
-    assert json.loads((tmp_path / "result.json").read_text())["status"] == "finished"
-
-
-def test_a_save_that_fails_is_a_checkpoint_failed_event_and_the_run_goes_on(tmp_path):
+def test_a_save_that_fails_is_a_checkpoint_failed_event_the_run_goes_on_and_run_again_finishes(tmp_path):
     """Issue 29: a save's error was raised inside a push and swallowed. A file of the user's where version 10's
-    directory goes makes that save fail; the user's file stays as it was."""
+    directory goes makes that save fail; the user's file stays as it was. Run again, the finished run resumes at
+    its last step (it applied no update there, and its final loss divided by zero)."""
     root = tmp_path / "checkpoints"
     root.mkdir()
     (root / "ps_00000010").write_text("the user's")
-    result = train(job("training.steps=20", *ASYNC, "checkpoint.every_steps=10", f"checkpoint.path={root}",
-                       name="ps-save-fails"), run_dir=tmp_path / "run")
+    config = job("training.steps=20", *ASYNC, "checkpoint.every_steps=10", f"checkpoint.path={root}",
+                 name="ps-save-fails")
+    result = train(config, run_dir=tmp_path / "run")
     failed = [e for e in result.events if e.type == "checkpoint_failed"]
     assert [(e.step, e.details["server"]) for e in failed] == [(10, 0)]
     assert "ps_00000010/server_0_of_1." in failed[0].details["path"] and failed[0].details["error"]
     assert result.final_step == 20 and result.checkpoint == f"{root}/ps_00000020"
+    assert (root / "ps_00000010").read_text() == "the user's"
+
+    again = train(config, run_dir=tmp_path / "run")
+    assert again.final_step == 20 and again.history == []
+    assert [e.type for e in again.events if e.type in ("resumed", "worker_failed", "server_failed")] == ["resumed"]
+    assert "loss" not in again.metrics and again.metrics["accuracy"] == result.metrics["accuracy"]
+    assert_states_close(load_model(tmp_path / "run"), result.model_state, rtol=0, atol=0)
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "finished"
     assert (root / "ps_00000010").read_text() == "the user's"

@@ -73,9 +73,10 @@ def assert_applied_as_reference(result, reference):
     assert applied_samples(result.ledger, STEPS, NUM_TRAIN_SAMPLES) == reference[0]
 
 
-def test_workers_killed_mid_run_by_sigkill_and_by_ray_kill_survivors_carry_on(tmp_path, reference):
+def test_workers_killed_by_sigkill_and_by_ray_kill_in_quick_succession_survivors_carry_on(tmp_path, reference):
+    """The second kill comes at the first step of the generation the first one formed."""
     result, state = run_disturbed(tmp_path, "kills", "faults=[{action: kill, rank: 1, step: 12}, "
-                                  "{action: ray_kill, rank: 1, step: 28}]",
+                                  "{action: ray_kill, rank: 1, step: 13}]", "scaling.min_workers=1",
                                   f"failure.collective_timeout_s={LONG_COLLECTIVE_TIMEOUT_S}")
     assert_same_as_reference(result, state, reference)
     failed = [e for e in result.events if e.type == "worker_failed"]
@@ -93,13 +94,6 @@ def test_stalled_worker_is_detected_and_replaced(tmp_path, reference):
     assert "no answer" in failed.details["reason"]  # found by failure.step_timeout_s (4 s)
     recovered = next(e for e in result.events if e.type == "recovered")
     assert recovered.details["recovery_s"] < LONG_COLLECTIVE_TIMEOUT_S / 3  # the survivors did not wait it out
-
-
-def test_two_failures_in_quick_succession(tmp_path, reference):
-    faults = "faults=[{action: kill, rank: 1, step: 10}, {action: kill, rank: 1, step: 11}]"
-    result, state = run_disturbed(tmp_path, "twice", faults, "scaling.min_workers=1")
-    assert_same_as_reference(result, state, reference)
-    assert event_types(result).count("worker_failed") == 2
 
 
 def test_failures_beyond_max_end_the_run_with_a_loadable_checkpoint(tmp_path):
@@ -220,10 +214,11 @@ def test_ctrl_c_stops_the_run_and_leaves_no_actors(tmp_path):
         wait_until_gone(name)
 
 
-def test_below_min_workers_the_run_waits_for_a_replacement_started_in_a_warm_process(tmp_path, reference):
-    """With scaling.warm_processes (the default), a process with the training modules imported waits on the
-    workers' node by the time of the kill, and the replacement is placed in it. The kill comes ~10 s after the
-    workers were built: the process started then has imported the training modules (~2.5 s) even on a busy machine."""
+def test_below_min_workers_the_run_waits_for_a_replacement_placed_in_the_process_started_ahead(tmp_path, reference):
+    """With scaling.warm_processes (the default), a process started ahead (its setup hook importing the training
+    modules) waits on the workers' node by the time of the kill, ~10 s after the workers were built, and the
+    replacement is placed in it. Whether it has finished its imports by then (``warm_process``, ~2.5 s on an idle
+    machine) depends on the machine's load: under CI's it took over 12 s once."""
     result, state = run_disturbed(tmp_path, "waits", "scaling.min_workers=3",
                                   "workload.name=tests.support.user_workload:SlowDigits",
                                   "workload.options={pause_s: 0.4}",
@@ -231,7 +226,7 @@ def test_below_min_workers_the_run_waits_for_a_replacement_started_in_a_warm_pro
     assert_same_as_reference(result, state, reference)
     types = event_types(result)
     assert types.index("waiting_for_resources") < types.index("worker_joined") < types.index("recovered")
-    assert [e.details["warm_process"] for e in result.events if e.type == "worker_joined"] == [True]
+    assert [e.details["started_ahead"] for e in result.events if e.type == "worker_joined"] == [True]
     assert {row["world_size"] for row in result.history} == {3}
 
 

@@ -48,8 +48,9 @@ class Staffing:
             self.log.event("spares_taken", step, workers=taken, reason=reason)
 
     def admit_joiners(self, *, step: int) -> None:
-        for name, warm in self.group.admit_ready_joiners().items():
-            self.log.event("worker_joined", step, worker=name, warm_process=warm)
+        for name, warmth in self.group.admit_ready_joiners().items():
+            self.log.event("worker_joined", step, worker=name, warm_process=warmth.imported,
+                           started_ahead=warmth.started_ahead)
         self.log_start_failures(step=step)
 
     def observe(self, status: GroupStatus, step: int) -> None:

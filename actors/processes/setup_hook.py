@@ -108,6 +108,18 @@ class ProcessStart:
     def of_this_process(cls) -> ProcessStart:
         return cls(pid=os.getpid(), imported=imported, runtime_env=ray.get_runtime_context().get_runtime_env_string())
 
-    def warm(self, requested_at: float) -> bool:
-        """Whether the process was ready, modules imported, before the actor was asked for."""
-        return self.imported is not None and self.imported.done_at < requested_at
+    def warmth(self, requested_at: float) -> Warmth:
+        """How far the process had come when the actor was asked for (``requested_at``, ``time.time()``)."""
+        return Warmth(started_ahead=self.imported is not None and self.imported.began_at < requested_at,
+                      imported=self.imported is not None and self.imported.done_at < requested_at)
+
+
+@dataclass(frozen=True)
+class Warmth:
+    """How far a new worker's process had come when the actor was asked for."""
+
+    started_ahead: bool = False
+    """It was started ahead: its setup hook had begun importing the training modules (on a loaded machine a
+    process started seconds before may still be importing them)."""
+    imported: bool = False
+    """It had imported them: the actor's construction waited for none of it."""

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 EventType = Literal[
     "worker_failed",          # died, hung, or raised (``traceback``); ``reason``
-    "worker_joined",          # a joiner came in at a step boundary; ``warm_process``: built in a process started ahead
+    "worker_joined",          # a joiner came in at a step boundary; ``started_ahead``: built in a process started
+                              # ahead, ``warm_process``: one that had imported the training modules by then
     "worker_start_failed",    # a new worker could not be constructed; ``worker``, ``node_id``, ``error``
     "worker_left",            # a drained worker left at a step boundary
     "spares_taken",           # idle spares come in at the next boundary; ``workers``, ``reason``

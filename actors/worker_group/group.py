@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from raylastic.actors.processes.setup_hook import Warmth
 from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process, call_off_generation
 from raylastic.actors.status.group import GroupStatus, LostWorker
@@ -183,11 +184,11 @@ class WorkerGroup:
         """New workers that could not be constructed since the last call (each replaced on a new slot)."""
         return self.membership.take_start_failures()
 
-    def admit_ready_joiners(self) -> dict[str, bool]:
-        """Constructed joiners become members: name -> whether each started in a warm process."""
+    def admit_ready_joiners(self) -> dict[str, Warmth]:
+        """Constructed joiners become members: name -> how far each one's process had come when it was asked for."""
         joiners = self.membership.ready_joiners()
         self.membership.admit(joiners)
-        return {m.name: m.warm for m in joiners}
+        return {m.name: m.warmth for m in joiners}
 
     def drain(self, *, rank: int | None = None, node_id: str | None = None, replace: bool = False) -> list[str]:
         """The member of ``rank`` (or every member on ``node_id``) leaves at the next step boundary; with

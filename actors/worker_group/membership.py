@@ -14,7 +14,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from raylastic.actors.processes.setup_hook import TRAINS
+from raylastic.actors.processes.setup_hook import TRAINS, Warmth
 from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.actors.status.peer_loss import plain_error
 from raylastic.actors.worker.actor import TrainWorkerActor, WorkerSpec
@@ -46,8 +46,8 @@ class Member:
     """ObjectRef that resolves once the actor is constructed (to its ProcessStart)."""
     requested_at: float = 0.0
     constructed: bool = False
-    warm: bool = False
-    """Whether it was constructed in a process started ahead, with the training modules imported."""
+    warmth: Warmth = field(default_factory=Warmth)
+    """How far its process had come when it was asked for: started ahead, the training modules imported."""
 
 
 class Membership:
@@ -140,7 +140,7 @@ class Membership:
         constructed = []
         for member in [m for m in starting if m.ready in ready]:
             try:
-                member.warm = ray.get(member.ready).warm(member.requested_at)
+                member.warmth = ray.get(member.ready).warmth(member.requested_at)
                 constructed.append(member)
                 self._failed_starts_in_a_row = 0
             except RayActorError as error:

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from raylastic.actors.controller.controller import Controller
 from raylastic.actors.controller.policies import RunPolicies
 from raylastic.actors.controller.states import Failed, Finished, Running, RunState, Stopped
+from raylastic.actors.processes.setup_hook import Warmth
 from raylastic.actors.status.group import GroupStatus, LostWorker, MemberStatus, RankNews
 from raylastic.actors.status.worker import StepResult, WorkerStatus
 from raylastic.actors.worker.actor import JoinReport
@@ -219,11 +220,11 @@ class FakeGroup:
         taken, self.start_failures = self.start_failures, []
         return taken
 
-    def admit_ready_joiners(self) -> dict[str, bool]:
+    def admit_ready_joiners(self) -> dict[str, Warmth]:
         self._call("admit_ready_joiners")
         admitted, self.ready = self.ready, []
         self.members += admitted
-        return dict.fromkeys(admitted, False)
+        return dict.fromkeys(admitted, Warmth())
 
     def release_departed(self) -> None:
         pass
