@@ -91,7 +91,8 @@ def test_result_json_and_plain_model_file(world_size_runs):
 @pytest.fixture(scope="module")
 def readme_runs(ray_local, tmp_path_factory):
     """The README's main job (examples/digits_elastic.yaml) run twice in the same run directory, as its command
-    run a second time; the second run's checkpoint manifest before and after; what ``priority_probe`` saw."""
+    run a second time; the newest checkpoint's manifest before and after the second run; what ``priority_probe``
+    saw in the first."""
     from raylastic.jobconfig import load_job_config
     from tests.conftest import REPO_ROOT
 
