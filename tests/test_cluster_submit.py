@@ -9,14 +9,14 @@ FAILED with the one-line reason; ``cluster/entry.py``, copied to a home director
 there the way ``ray submit`` runs it, trains a workload that lives only in the repository
 (laptop mode: ``train --address auto`` against ``ray start --head``); and with no cluster at all
 ``raylastic train`` starts its own Ray, without a job server, and leaves no process behind.
+Drivers find the head through ``RAY_ADDRESS``: on this shared machine plain ``auto`` could pick
+another user's cluster.
 
 Last, the observability of a running job: a slowed job (``tests.support.user_workload:SlowDigits``) in which
 rank 1 is killed at step 5, so the run also has a failure and a recovery to report. While it trains, Ray's
 Prometheus endpoint (the head's known metrics-export port) is scraped over loopback until every
 ``ray_raylastic_*`` series carries the run's tag, and ``raylastic status`` is run as a user would run it. The
 job is then stopped with Ctrl-C (SIGINT).
-Drivers find the head through ``RAY_ADDRESS``: on this shared machine plain ``auto`` could pick
-another user's cluster.
 
     python -m pytest tests/test_cluster_submit.py -q
 """

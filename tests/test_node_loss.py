@@ -30,7 +30,7 @@ from ray.util import placement_group_table
 
 from raylastic.actors.status.run import RunStatus
 from raylastic.cluster.job import train
-from raylastic.jobconfig.naming import NAMESPACE, controller_name
+from raylastic.jobconfig.naming import NAMESPACE, controller_name, slot_name
 from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
 from tests.support.distributed_harness import run_distributed
@@ -220,7 +220,7 @@ HIERARCHICAL = ("training.steps=30", "scaling.min_workers=4", "scaling.max_worke
 
 def workers_per_node(run_name: str) -> Counter:
     """Node id -> number of this run's placed worker slots (one single-bundle placement group each)."""
-    prefix = f"raylastic:{run_name}:slot"
+    prefix = slot_name(run_name, 0).removesuffix("0")
     return Counter(group["bundles_to_node_id"][0] for group in placement_group_table().values()
                    if group["name"].startswith(prefix) and group["state"] == "CREATED")
 
