@@ -34,7 +34,7 @@ from raylastic.jobconfig.naming import NAMESPACE, controller_name, slot_name
 from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
 from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import applied_samples, assert_states_close, job, load_model
+from tests.support.helpers import applied_samples, assert_states_close, job, load_model, wait_until_cpus_free
 from tests.support.strategy_runs import train_job_alone, undisturbed_run
 
 STEPS = 60  # ~4 s: progress (every second) sees step 10-15 at world size 4 well before the end
@@ -62,9 +62,11 @@ def head(local_ray):
 
 @pytest.fixture
 def second_node(head):
-    """A second node of 2 CPUs: with the head's 2, four workers of 1 CPU are two on each."""
+    """A second node of 2 CPUs: with the head's 2, four workers of 1 CPU are two on each. Yielded once all four CPUs
+    are free: a run starts with the slots ready then, and the tests need it to start with four."""
     node = head.add_node(num_cpus=2)
     head.wait_for_nodes()
+    wait_until_cpus_free()
     yield node
     if node in head.list_all_nodes():
         head.remove_node(node)
@@ -75,6 +77,15 @@ def reference() -> tuple[dict[int, list[int]], dict]:
     """The job undisturbed, computed: each step's samples (its global batch, in the sample order) and the
     parameters that training on them on one rank ends with (its pause changes no math)."""
     return undisturbed_run(job(*BASE, name="nodes-reference"), NUM_TRAIN_SAMPLES, {"pause_s": 0.0})
+
+
+def world_sizes(result) -> list[tuple[int, int]]:
+    """(first step, world size) of each stretch of the run at one size, for a failure's message."""
+    stretches = []
+    for row in result.history:
+        if not stretches or stretches[-1][1] != row["world_size"]:
+            stretches.append((row["step"], row["world_size"]))
+    return stretches
 
 
 def assert_same_as_reference(result, run_dir, reference):
@@ -93,7 +104,7 @@ def test_run_continues_on_the_remaining_node(tmp_path, head, second_node, refere
             head.remove_node(second_node)
 
     result = train(job(*BASE, name="nodes"), run_dir=tmp_path / "nodes", on_progress=remove_second_node)
-    assert removed, "the run never had 4 workers on two nodes"
+    assert removed, f"the run never had 4 workers on two nodes: {world_sizes(result)}"
     failed = [e for e in result.events if e.type == "worker_failed"]
     assert len(failed) == 2
     sizes = [row["world_size"] for row in result.history]
@@ -115,7 +126,7 @@ def test_draining_a_node_moves_its_workers_out_at_a_step_boundary(tmp_path, head
             actions["removed"] = progress.step
 
     result = train(job(*BASE, name="drain"), run_dir=tmp_path / "drain", on_progress=drain_then_remove_second_node)
-    assert len(actions.get("drained", [])) == 2, actions
+    assert len(actions.get("drained", [])) == 2, (actions, world_sizes(result))
     assert "removed" in actions and actions["removed"] < STEPS, "the run ended before the node was removed"
     left = [e for e in result.events if e.type == "worker_left"]
     assert sorted(e.details["worker"] for e in left) == actions["drained"]
@@ -179,6 +190,7 @@ def block_node(head):
     while not (new := {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before):
         assert process.poll() is None and time.monotonic() < deadline, "ray start --block did not join"
         time.sleep(0.5)
+    wait_until_cpus_free()
     children = started.children(recursive=True)
     yield process, new.pop()
     if process.poll() is None:
@@ -201,7 +213,7 @@ def test_sigterm_to_a_ray_start_block_node_moves_the_workers_out_before_it_goes(
     run_dir = tmp_path / "sigterm"
     result = train(job(*BASE, "workload.options={pause_s: 0.15}", name="sigterm"), run_dir=run_dir,
                    on_progress=sigterm_the_node)
-    assert signalled, "the run never had 4 workers on two nodes"
+    assert signalled, f"the run never had 4 workers on two nodes: {world_sizes(result)}"
     drained = [e for e in result.events if e.type == "drained"]
     assert [(e.details["node_id"], e.details["steps_lost"]) for e in drained] == [(node_id, 0)]
     assert not [e for e in result.events if e.type == "worker_failed"]

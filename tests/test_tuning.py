@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import controller_name, trial_run_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
 from raylastic.tuning import EarlyStopping, SweepResult, sweep
-from tests.support.helpers import job
+from tests.support.helpers import job, wait_until_cpus_free
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -161,10 +160,7 @@ def test_nothing_is_left_running_after_a_sweep(sweeps):
     for trial_id in result.dataframe["trial_id"]:
         with pytest.raises(ValueError):
             ray.get_actor(controller_name(trial_run_name("digits", trial_id)))
-    deadline = time.monotonic() + 60
-    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
+    wait_until_cpus_free()
 
 
 def test_plots_and_notebook_display(sweeps, tmp_path):

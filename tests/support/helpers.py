@@ -152,6 +152,15 @@ def wait_until_gone(actor_name: str, timeout_s: float = 30) -> None:
     raise AssertionError(f"{actor_name} is still there after {timeout_s:.0f}s")
 
 
+def wait_until_cpus_free(timeout_s: float = 60) -> None:
+    """Wait until every CPU of the connected Ray cluster is free (the runs before have let go of theirs); fail
+    after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, f"CPUs still taken after {timeout_s:.0f}s: {ray.available_resources()}"
+        time.sleep(0.2)
+
+
 def tokenized_stdlib(directory: Path, size_bytes: int) -> Path:
     """``raylastic tokenize --stdlib`` into ``directory``, cut to the leading files of about ``size_bytes``."""
     files, size = [], 0
