@@ -51,6 +51,36 @@ assert gc.isenabled() and gc.get_freeze_count() > len(sys.modules) * 100, gc.get
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="lowering a niceness needs root (or CAP_SYS_NICE)")
+def test_a_training_process_leaves_rays_niceness_before_it_imports_torch():
+    """Ray starts its processes at niceness 15 unless told otherwise (a cluster started without
+    RAY_worker_niceness=0, a test's ``Cluster``). The setup hook and the worker actor go to niceness 0 before they
+    import the training modules: at 15, a loaded 2-core machine's other processes took those seconds of CPU first,
+    and a worker was not constructed within its 60 s placement timeout."""
+    script = """
+import importlib, os
+seen, ours = [], {"torch._dynamo", "raylastic.actors.worker.train_worker"}
+original = importlib.import_module
+def recording(name, *args, **kwargs):
+    if name in ours:
+        seen.append((name, os.getpriority(os.PRIO_PROCESS, 0)))
+    return original(name, *args, **kwargs)
+importlib.import_module = recording
+from raylastic.actors.processes import setup_hook
+from raylastic.actors.worker.actor import TrainWorkerProcess
+os.setpriority(os.PRIO_PROCESS, 0, 15)
+setup_hook.import_training_modules()
+os.setpriority(os.PRIO_PROCESS, 0, 15)
+try:
+    TrainWorkerProcess(spec=None)  # the worker module imported, then its TrainWorker refuses the missing spec
+except AttributeError:
+    pass
+assert set(seen) == {(name, 0) for name in ours} and seen[-1][0] == "raylastic.actors.worker.train_worker", seen
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 @ray.remote(num_cpus=0)
 class ProcessReporter:
     def start(self) -> ProcessStart:

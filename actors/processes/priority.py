@@ -8,7 +8,9 @@ agent) takes the core from a rank first (what that costs: docs/cluster.md, "Work
 
 Three ways to get there: the local instance ``raylastic train`` starts sets ``worker_niceness`` 0
 (cluster/connect.py); clusters started with ``RAY_worker_niceness=0`` (cluster.yaml) do the same; and
-otherwise a worker lowers its own niceness here. Linux keeps a niceness per thread, and new threads
+otherwise a worker's process lowers its own niceness here, before it imports torch (the job's setup hook, the
+worker actor): those imports take seconds of CPU, which at niceness 15 a busy node's other processes take first
+(minutes, on a loaded 2-core machine). Linux keeps a niceness per thread, and new threads
 inherit their creator's: so every thread the worker process has is lowered, and the threads it starts
 later (the step loop, gloo's) follow. Lowering niceness needs root or CAP_SYS_NICE; without either
 the worker keeps Ray's niceness and says how to start Ray so that it does not apply one.

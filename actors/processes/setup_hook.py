@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import ray
 
+from raylastic.actors.processes.priority import run_at_normal_priority
+
 logger = logging.getLogger(__name__)
 
 SETUP_HOOK = "raylastic.actors.processes.setup_hook.import_training_modules"
@@ -63,6 +65,7 @@ def import_training_modules() -> None:
     global imported
     if os.environ.get(ROLE_VARIABLE) == TRAINS_NOTHING["env_vars"][ROLE_VARIABLE]:
         return
+    run_at_normal_priority()  # first: at Ray's niceness, a busy node's other processes starve these imports
     began_at = time.time()
     try:
         with collector_paused():

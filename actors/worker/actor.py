@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from raylastic.actors.processes.priority import run_at_normal_priority
 from raylastic.actors.processes.setup_hook import ProcessStart
 from raylastic.jobconfig import (
     DataConfig,
@@ -96,6 +97,7 @@ class TrainWorkerProcess:
     """One worker's process: every call goes to its TrainWorker (actors/worker/train_worker.py has what each does)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        run_at_normal_priority()  # before the imports (seconds of CPU), which Ray's niceness would let others starve
         self.worker = importlib.import_module("raylastic.actors.worker.train_worker").TrainWorker(spec)
 
     def pid(self) -> int:

@@ -41,8 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOAD = ("torch", "torch.distributed", "raylastic.strategies")
-"""Imported once by the fork server (a failing import is skipped): strategies pulls in DTensor, ~2 s."""
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "raylastic.strategies", "ray", "pytest",
+           "tests.support.strategy_runs", "tests.support.parallel_runs")
+"""Imported once by the fork server (a failing import is skipped), not again in every rank: torch._dynamo is what
+a rank's first optimizer imports (~2 s of CPU), ray and pytest what the ranks' modules import (~0.5 s), the two
+support modules hold most of the suite's rank functions."""
 GRACE_S = 10.0
 """After the first failure, how long the other ranks have to report theirs before they are killed."""
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Socket closed")
