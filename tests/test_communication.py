@@ -70,10 +70,11 @@ class SlowWhileShrunk(SlowDigits):
     """Digits whose steps pause while the group has fewer than ``full`` ranks.
 
     After a worker is killed the survivors train slowly until the replacement has joined, so the
-    run cannot end before the scale-up happens, however long the new worker takes to start.
+    run cannot end before the scale-up happens: the run's 60 steps after the kill leave the new worker a
+    minute to start (a loaded 2-core machine took more than the 15 s that 0.25 s a step left it).
     """
 
-    def __init__(self, full: int = 3, pause_s: float = 0.25) -> None:
+    def __init__(self, full: int = 3, pause_s: float = 1.0) -> None:
         super().__init__(pause_s)
         self.full = full
 

@@ -37,10 +37,13 @@ from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import applied_samples, assert_states_close, job, load_model, wait_until_cpus_free
 from tests.support.strategy_runs import train_job_alone, undisturbed_run
 
+PLACEMENT_TIMEOUT_S = 300
+"""How long a run waits for its first workers to be built: long, since a worker that is not built in time leaves
+the run with fewer than the four the tests need (a loaded 2-core machine took over 60 s to build some)."""
 STEPS = 60  # ~4 s: progress (every second) sees step 10-15 at world size 4 well before the end
 BASE = (f"training.steps={STEPS}", "training.record_samples=true", "scaling.min_workers=2",
         "scaling.max_workers=4", "scaling.cpus_per_worker=1", "workload.name=tests.support.user_workload:SlowDigits",
-        "workload.options={pause_s: 0.05}", "scaling.placement_timeout_s=60")
+        "workload.options={pause_s: 0.05}", f"scaling.placement_timeout_s={PLACEMENT_TIMEOUT_S}")
 NUM_TRAIN_SAMPLES = len(Digits().train_dataset())
 DRAIN_DEADLINE_S = 600
 """How long the nodes' drains may take: long, so that a drain waited out fails the tests that check it was not."""
@@ -227,7 +230,7 @@ def test_sigterm_to_a_ray_start_block_node_moves_the_workers_out_before_it_goes(
 # -- hierarchical all-reduce on the two nodes -------------------------------------------------------------------
 
 HIERARCHICAL = ("training.steps=30", "scaling.min_workers=4", "scaling.max_workers=4", "scaling.cpus_per_worker=1",
-                "scaling.placement_timeout_s=60", "strategy.hierarchical=true")
+                f"scaling.placement_timeout_s={PLACEMENT_TIMEOUT_S}", "strategy.hierarchical=true")
 
 
 def workers_per_node(run_name: str) -> Counter:
