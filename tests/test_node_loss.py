@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
 from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import applied_samples, assert_states_close, job, load_model, wait_until_cpus_free
+from tests.support.ray_head import START_ATTEMPTS, wait_until_up
 from tests.support.strategy_runs import train_job_alone, undisturbed_run
 
 PLACEMENT_TIMEOUT_S = 300
@@ -179,20 +179,28 @@ def test_a_preemption_notice_moves_the_workers_out_before_the_node_goes(tmp_path
 
 
 @pytest.fixture
-def block_node(head):
+def block_node(head, tmp_path):
     """A second node started as a cloud image starts it, ``ray start --address ... --block`` (2 CPUs); on SIGTERM
     it drains itself (Ray's RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, 30 s by default, DRAIN_DEADLINE_S here) before
     it shuts down: at once when it is idle."""
     before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DRAIN_DEADLINE_S)}
-    process = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--address", head.address,
-                                "--num-cpus=2", "--block", "--disable-usage-stats"], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    started = psutil.Process(process.pid)
-    deadline = time.monotonic() + 60
-    while not (new := {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before):
-        assert process.poll() is None and time.monotonic() < deadline, "ray start --block did not join"
-        time.sleep(0.5)
+    log_path = tmp_path / "ray_start.log"
+    for _ in range(START_ATTEMPTS):
+        with open(log_path, "w") as log:
+            process = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--address", head.address,
+                                        "--num-cpus=2", "--block", "--disable-usage-stats"], env=env,
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        started = psutil.Process(process.pid)
+        try:
+            if wait_until_up(process, lambda: {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before, 60):
+                break
+        except RuntimeError:
+            process.kill()
+            raise
+    else:
+        pytest.fail(f"ray start exited {START_ATTEMPTS} times before it joined:\n{log_path.read_text()[-3000:]}")
+    new = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before
     wait_until_cpus_free()
     children = started.children(recursive=True)
     yield process, new.pop()

@@ -25,11 +25,16 @@ import sys
 import tempfile
 import time
 import venv
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 VENV_BIN = Path(sys.executable).parent
 STOP_TIMEOUT_S = 30.0
+START_ATTEMPTS = 3
+"""Ray 2.60's raylet waits a fixed 15 s for its dashboard agent to write its ports, and aborts past it (raylet.err:
+"Timed out waiting for file .../metrics_agent_port_..."): on a loaded 2-core machine the agent's imports took 22 s,
+and ``ray start`` exited 1. A node whose start ends so is started again."""
 PRESTART_OFF = {"RAY_prestart_worker_first_driver": "0"}
 """No idle Python workers started ahead of a first driver: fewer processes on a small, shared machine."""
 
@@ -85,30 +90,50 @@ def start_head(num_cpus: int = 2, *, extra_env: dict[str, str] | None = None, ti
     (first on its PATH: the jobs run that python) and none of the environment variables ``without``; returns once
     it is up."""
     auth_token()
-    gcs, dashboard, metrics, client, agent = free_ports(5)
-    temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    log_path = Path(temp_dir) / "head.log"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", *without)}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # as with the venv activated: jobs run its python
     env.update(PRESTART_OFF, **(extra_env or {}))
-    command = [str(bin_dir / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--port={gcs}",
-               "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}",
-               f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-               f"--temp-dir={temp_dir}", "--disable-usage-stats"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    head = RayHead(process=process, temp_dir=temp_dir, gcs_address="", metrics_port=metrics, log_path=log_path,
-                   dashboard_url=f"http://127.0.0.1:{dashboard}")
-    deadline = time.monotonic() + timeout_s
-    while "Ray runtime started" not in head.log():
-        if process.poll() is not None or time.monotonic() > deadline:
+    for _ in range(START_ATTEMPTS):
+        gcs, dashboard, metrics, client, agent = free_ports(5)
+        temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths have a length limit
+        log_path = Path(temp_dir) / "head.log"
+        command = [str(bin_dir / "ray"), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--port={gcs}",
+                   "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}",
+                   f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+                   f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        head = RayHead(process=process, temp_dir=temp_dir, gcs_address="", metrics_port=metrics, log_path=log_path,
+                       dashboard_url=f"http://127.0.0.1:{dashboard}")
+        try:
+            up = wait_until_up(process, lambda head=head: "Ray runtime started" in head.log(), timeout_s)
+        except RuntimeError as error:
+            log = head.log()
             stop_head(head)
-            raise RuntimeError(f"ray start --head did not come up:\n{head.log()[-3000:]}")
-        time.sleep(0.5)
+            raise RuntimeError(f"{error}:\n{log[-3000:]}") from None
+        if up:
+            break
+        log = head.log()
+        stop_head(head)
+    else:
+        raise RuntimeError(f"ray start --head exited {START_ATTEMPTS} times before it was up:\n{log[-3000:]}")
     found = re.search(r"--address='([^']+)'", re.sub(r"\x1b\[[0-9;]*m", "", head.log()))
     head.gcs_address = found.group(1) if found else f"127.0.0.1:{gcs}"
     head.descendants = _descendants(process.pid)
     return head
+
+
+def wait_until_up(process: subprocess.Popen, is_up: Callable[[], bool], timeout_s: float) -> bool:
+    """Whether ``is_up()`` before the ``ray start`` ``process`` exited (False: it exited first, see START_ATTEMPTS);
+    raises RuntimeError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not is_up():
+        if process.poll() is not None:
+            return False
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{' '.join(process.args[:3])} was not up within {timeout_s:.0f} s")
+        time.sleep(0.5)
+    return True
 
 
 def python_without_raylastic(directory: Path) -> Path:
