@@ -13,7 +13,7 @@ import psutil
 import pytest
 import ray
 
-from raylastic.actors.processes.setup_hook import ProcessStart
+from raylastic.actors.processes.setup_hook import TRAINS, ProcessStart
 from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name
@@ -34,13 +34,14 @@ def test_the_setup_hook_imports_the_training_modules_without_touching_cuda_and_f
     a process started ahead must not have used CUDA. What the imports made is out of the garbage collector's
     reach afterwards, and the collector is on again."""
     script = """
-import gc, sys, torch
+import gc, os, sys, torch
 calls = []
 for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "set_device"):
     original = getattr(torch.cuda, name)
     setattr(torch.cuda, name, lambda *a, _name=name, _original=original, **k: calls.append(_name) or _original(*a, **k))
 from raylastic.actors.processes import setup_hook
 assert setup_hook.imported is None
+os.environ.update(setup_hook.TRAINS["env_vars"])  # a process started for an actor that trains
 setup_hook.import_training_modules()
 assert setup_hook.imported is not None and setup_hook.imported.began_at <= setup_hook.imported.done_at
 assert {"torch._dynamo", "raylastic.actors.worker.train_worker"} <= set(sys.modules), "not imported"
@@ -68,6 +69,7 @@ def recording(name, *args, **kwargs):
 importlib.import_module = recording
 from raylastic.actors.processes import setup_hook
 from raylastic.actors.worker.actor import TrainWorkerProcess
+os.environ.update(setup_hook.TRAINS["env_vars"])
 os.setpriority(os.PRIO_PROCESS, 0, 15)
 setup_hook.import_training_modules()
 os.setpriority(os.PRIO_PROCESS, 0, 15)
@@ -121,7 +123,7 @@ def place_an_actor(top_up: bool) -> tuple[ProcessStart, float, set[int]]:
 
 @pytest.mark.parametrize("top_up", [True, False])
 def test_an_actor_placed_after_a_top_up_takes_the_process_started_ahead(top_up):
-    own_environment = {"env_vars": {ENVIRONMENT_MARKER: uuid.uuid4().hex}}
+    own_environment = {"env_vars": {ENVIRONMENT_MARKER: uuid.uuid4().hex, **TRAINS["env_vars"]}}
     start, requested_at, started_ahead = ray.get(
         place_an_actor.options(runtime_env=own_environment).remote(top_up), timeout=180)
     assert start.imported is not None  # the job's setup hook ran in the actor's process
@@ -129,6 +131,18 @@ def test_an_actor_placed_after_a_top_up_takes_the_process_started_ahead(top_up):
         assert start.pid in started_ahead
     else:
         assert start.imported.began_at > requested_at
+
+
+@ray.remote(num_cpus=0)
+def imports_of_a_task() -> dict:
+    return training_imports(None)
+
+
+def test_a_process_in_the_jobs_own_environment_skips_the_training_imports():
+    """Ray starts processes in the job's runtime environment that never host a worker: ahead of a first driver's
+    tasks, for a Ray Tune trial that drives a run, for a plain task. Only a process started for an actor that trains
+    (``TRAINS``, which WarmProcesses starts ahead too) imports torch, torch._dynamo and the worker's modules."""
+    assert ray.get(imports_of_a_task.remote(), timeout=120) == {"imported": False, "torch": False, "dynamo": False}
 
 
 class Probed(Exception):

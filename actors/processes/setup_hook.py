@@ -5,14 +5,17 @@ distributed modules the first optimizer step imports (~0.9 s), then the workload
 mechanisms take all but the last off the path of a replacement or a joiner:
 
 - ``import_training_modules`` is the job's ``worker_process_setup_hook`` (``cluster.connect.job_runtime_env``):
-  every process Ray starts for the job imports them before it takes work.
+  every process Ray starts for an actor that trains (in the runtime environment ``TRAINS``) imports them before
+  it takes work.
 - ``WarmProcesses`` (actors/processes/warm_processes.py) asks a node's raylet to start a process for the job
   ahead of the next worker placed there (Ray's ``PrestartWorkers``, which keeps it idle for ``keep_alive_s``).
   Ray gives an idle process of the workers' runtime environment to the next actor placed on that node.
 
-The Controller and the rendezvous keys train nothing: they run with ``TRAINS_NOTHING``, whose processes skip
-the hook's imports (~1 s of CPU each, for torch._dynamo alone). Ray merges a parent's env_vars into its
-children's, so every actor the Controller starts that trains is started with ``TRAINS``.
+Every other process of the job skips the imports (~2.5 s of CPU and ~0.3 GB each): the Controller and the rendezvous
+keys, a Ray Tune trial that drives a run, a plain task, and the processes Ray starts in the job's own environment
+ahead of a first driver's tasks, which never host a worker (the workers' environment is ``TRAINS``). Ray merges a
+parent's env_vars into its children's, so an actor that trains sets ``TRAINS`` and a task started from one that
+trains nothing sets ``TRAINS_NOTHING``.
 """
 
 from __future__ import annotations
@@ -53,17 +56,17 @@ imported: ImportTimes | None = None
 
 ROLE_VARIABLE = "RAYLASTIC_PROCESS_ROLE"
 TRAINS = {"env_vars": {ROLE_VARIABLE: "trains"}}
-"""``.options(runtime_env=TRAINS)`` for an actor that trains, started by one that trains nothing."""
+"""``.options(runtime_env=TRAINS)`` for an actor that trains: its process imports the training modules."""
 TRAINS_NOTHING = {"env_vars": {ROLE_VARIABLE: "trains nothing"}}
-"""``.options(runtime_env=TRAINS_NOTHING)`` for an actor that trains nothing (the Controller, the rendezvous
-keys): its process skips these imports."""
+"""``.options(runtime_env=TRAINS_NOTHING)`` for an actor or task that trains nothing (the Controller, the rendezvous
+keys, a task started from a worker): its process skips these imports, whatever its parent's role."""
 
 
 def import_training_modules() -> None:
     """Import what a worker needs before it can train, without touching CUDA: Ray assigns the process its GPUs
     (CUDA_VISIBLE_DEVICES) only when an actor is placed on it, and CUDA reads them once, at its first use."""
     global imported
-    if os.environ.get(ROLE_VARIABLE) == TRAINS_NOTHING["env_vars"][ROLE_VARIABLE]:
+    if os.environ.get(ROLE_VARIABLE) != TRAINS["env_vars"][ROLE_VARIABLE]:
         return
     run_at_normal_priority()  # first: at Ray's niceness, a busy node's other processes starve these imports
     began_at = time.time()
