@@ -168,21 +168,30 @@ def test_a_generation_trains_whole_tp_groups_and_spares_complete_one():
 
 
 @pytest.mark.usefixtures("ray_local")
-def test_a_tp2_run_that_loses_a_worker_goes_on_at_the_survivors_layout_from_its_checkpoint(tmp_path):
-    """dp2 x tp2 on 4 workers under zero3 without buddy copies; one is killed at step 7 (the step-4 checkpoint
-    written asynchronously by then): its part has no copy, so the 3 left train as dp1 x tp2 (the third waits as a
-    spare) from the step-4 checkpoint; a scale-up back to dp2 x tp2 takes the state from the members' memory; the
-    run ends with an undisturbed run's parameters."""
+@pytest.mark.parametrize("buddy_copy", [True, False], ids=["buddy-copy", "checkpoint"])
+def test_a_dp2_tp2_run_that_loses_a_worker_goes_on_at_the_survivors_layout(tmp_path, buddy_copy):
+    """dp2 x tp2 on 4 workers under zero3; one is killed at step 7. With buddy copies (the default) its part comes
+    from its buddy's memory, at most one committed step redone and no checkpoint written or read; without them, from
+    the step-4 checkpoint (written asynchronously by then). Either way the 3 left train as dp1 x tp2 (the third waits
+    as a spare); a scale-up back to dp2 x tp2 takes the state from the members' memory; the run ends with an
+    undisturbed run's parameters."""
     steps, options = 8, "workload.options={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16, corpus_chars: 30000}"
     overrides = ("workload.name=chargpt", options, "parallel.tp=2", "strategy.name=zero3", "scaling.min_workers=2",
                  "scaling.max_workers=4", f"training.steps={steps}", "training.global_batch_size=8",
-                 "training.record_samples=true", "checkpoint.every_steps=4", "scaling.cpus_per_worker=0.25",
-                 "strategy.buddy_copy=false", "faults=[{action: kill, rank: 1, step: 7}]")
+                 "training.record_samples=true", f"checkpoint.every_steps={0 if buddy_copy else 4}",
+                 "scaling.cpus_per_worker=0.25", f"strategy.buddy_copy={str(buddy_copy).lower()}",
+                 "faults=[{action: kill, rank: 1, step: 7}]")
     disturbed = job(*overrides, name="tp-kill")
     result = train(disturbed, run_dir=tmp_path / "run")
     formed = [e for e in result.events if e.type == "generation_formed"]
-    assert [(e.details["layout"], e.details["state_source"], e.step) for e in formed[:2]] == [
-        ("dp2 x tp2", "initialisation", 0), ("tp2", "checkpoint", 4)], formed
+    assert (formed[0].details["layout"], formed[0].details["state_source"], formed[0].step) == (
+        "dp2 x tp2", "initialisation", 0), formed
+    lost = formed[1].details
+    if buddy_copy:
+        assert (lost["layout"], lost["state_source"], lost["previous_layout"]) == ("tp2", "buddy", "dp2 x tp2"), formed
+        assert lost["steps_lost"] <= 1 and formed[1].step >= 5, formed
+    else:
+        assert (lost["layout"], lost["state_source"], formed[1].step) == ("tp2", "checkpoint", 4), formed
     for grown in formed[2:]:  # the replacement and the spare, if they came in time: from the members, nothing lost
         assert (grown.details["layout"], grown.details["state_source"], grown.details["steps_lost"]) == (
             "dp2 x tp2", "peers", 0), formed

@@ -141,8 +141,12 @@ def imports_of_a_task() -> dict:
 def test_a_process_in_the_jobs_own_environment_skips_the_training_imports():
     """Ray starts processes in the job's runtime environment that never host a worker: ahead of a first driver's
     tasks, for a Ray Tune trial that drives a run, for a plain task. Only a process started for an actor that trains
-    (``TRAINS``, which WarmProcesses starts ahead too) imports torch, torch._dynamo and the worker's modules."""
-    assert ray.get(imports_of_a_task.remote(), timeout=120) == {"imported": False, "torch": False, "dynamo": False}
+    (``TRAINS``, which WarmProcesses starts ahead too) imports torch, torch._dynamo and the worker's modules. (An
+    environment variable of the test's own gives the task a process of its own: Ray reuses a task's process for
+    later tasks, which may have imported torch themselves.)"""
+    own_environment = {"env_vars": {ENVIRONMENT_MARKER: uuid.uuid4().hex}}
+    assert ray.get(imports_of_a_task.options(runtime_env=own_environment).remote(), timeout=120) == {
+        "imported": False, "torch": False, "dynamo": False}
 
 
 class Probed(Exception):

@@ -323,7 +323,8 @@ class Controller:
         """Drop the failed workers, count the failure, keep the survivors; wait for workers below min_workers."""
         for worker in state.lost:
             self.group.drop(worker.name)
-            self.log.event("worker_failed", self.step, worker=worker.name, reason=worker.reason)
+            self.log.event("worker_failed", self.step, worker=worker.name, reason=worker.reason,
+                           found_s=self.log.clock(worker.found_at))
         self.failures += 1  # one incident, however many workers it took
         self.metrics.failed(len(state.lost))
         self.faults.disarm({worker.rank for worker in state.lost if worker.rank is not None}, self.step)

@@ -77,9 +77,13 @@ class RunLog:
         """Log an event of ``type_`` at ``step``, stamped now."""
         return self.add_event(Event(type_, step, details=details))
 
+    def clock(self, at: float) -> float:
+        """``at`` (``time.time()``) on the events' clock: seconds since the run started."""
+        return round(at - self.started, 4)
+
     def add_event(self, event: Event) -> Event:
         """Log ``event`` (e.g. one a worker reported), stamped now."""
-        stamped = replace(event, time_s=round(time.time() - self.started, 4))
+        stamped = replace(event, time_s=self.clock(time.time()))
         with self._lock:
             if event.type == "generation_formed" and "layout" in event.details:
                 self._layouts[event.details["generation"]] = event.details["layout"]

@@ -6,6 +6,7 @@ here calls Ray, so a test builds these by hand.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,9 @@ class LostWorker:
     reason: str
     rank: int | None = None
     """Its rank in the last generation formed (None: it never had one)."""
+    found_at: float = field(default_factory=time.time, compare=False)
+    """When the loss was found (``time.time()``): a worker is described as lost the moment it is found, and the
+    run may act on it later (a join's survivors can wait for the member lost to end their own calls)."""
 
     def describe(self) -> str:
         return f"{self.name} ({self.reason})"

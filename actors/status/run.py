@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 EventType = Literal[
-    "worker_failed",          # died, hung, or raised (``traceback``); ``reason``
+    "worker_failed",          # died, hung, or raised (``traceback``); ``reason``; ``found_s`` (when it was found)
     "worker_joined",          # a joiner came in at a step boundary; ``started_ahead``: built in a process started
                               # ahead, ``warm_process``: one that had imported the training modules by then
     "worker_start_failed",    # a new worker could not be constructed; ``worker``, ``node_id``, ``error``
