@@ -35,7 +35,12 @@ from tests.conftest import REPO_ROOT
 from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import applied_samples, assert_states_close, job, load_model, wait_until_cpus_free
 from tests.support.ray_head import START_ATTEMPTS, wait_until_up
-from tests.support.strategy_runs import train_job_alone, undisturbed_run
+from tests.support.strategy_runs import (
+    TINY_GPT_OPTIONS,
+    assert_trained_as_undisturbed,
+    train_job_alone,
+    undisturbed_run,
+)
 
 PLACEMENT_TIMEOUT_S = 300
 """How long a run waits for its first workers to be built: long, since a worker that is not built in time leaves
@@ -141,6 +146,14 @@ def test_draining_a_node_moves_its_workers_out_at_a_step_boundary(tmp_path, head
     assert_same_as_reference(result, tmp_path / "drain", reference)
 
 
+def give_preemption_notice(head, node) -> None:
+    """What a spot notice becomes: ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``."""
+    subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", head.address,
+                    "--node-id", node.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+                    "spot instance reclaimed", "--deadline-remaining-seconds", str(DRAIN_DEADLINE_S)],
+                   check=True, capture_output=True, timeout=60)
+
+
 def test_a_preemption_notice_moves_the_workers_out_before_the_node_goes(tmp_path, head, second_node, reference):
     """``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`` (what a spot notice becomes): the workers on the
     node leave at the next step boundary on their own, replacements are asked for elsewhere (none is placed on
@@ -150,11 +163,7 @@ def test_a_preemption_notice_moves_the_workers_out_before_the_node_goes(tmp_path
     def notice_then_remove_second_node(progress):
         if progress.step >= 10 and progress.world_size == 4 and "noticed" not in actions:
             actions["noticed"] = progress.step
-            subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", head.address,
-                            "--node-id", second_node.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-                            "--reason-message", "spot instance reclaimed",
-                            "--deadline-remaining-seconds", str(DRAIN_DEADLINE_S)],
-                           check=True, capture_output=True, timeout=60)
+            give_preemption_notice(head, second_node)
         elif "noticed" in actions and progress.world_size == 2 and "removed" not in actions:
             if progress.step >= actions.setdefault("two_at", progress.step) + 5:  # no replacement lands on it
                 head.remove_node(second_node)
@@ -176,6 +185,50 @@ def test_a_preemption_notice_moves_the_workers_out_before_the_node_goes(tmp_path
     sizes = [row["world_size"] for row in result.history]
     assert sizes[0] == 4 and sizes[-1] == 2 and sorted(sizes) == sizes[::-1]  # 4, then 2 for good
     assert_same_as_reference(result, run_dir, reference)
+
+
+def test_a_preemption_notice_on_a_node_holding_pipeline_stages_re_plans_in_place_and_grows_back_on_a_new_node(
+        tmp_path, head, second_node):
+    """Two copies of a two-stage pipeline on four workers, two on each node; the second node's preemption notice
+    moves its two workers out at a step boundary (whichever parts they hold: a stage of each copy or a whole copy),
+    and the two left form one pipeline, taking what they lack from the leaving workers' memory: no step lost, no
+    failure, no checkpoint. The node goes; when a new node appears, the replacements are placed on it and the run
+    grows back to two copies from the members' memory. It ends with an undisturbed run's parameters."""
+    steps, actions = 56, {}
+    options = TINY_GPT_OPTIONS[:-1] + ", pause_s: 0.15, full_world: 5}"  # slow throughout: the notice lands mid-run
+    disturbed = job("workload.name=tests.support.user_workload:CharGPTSlowWhileSmall", options, "parallel.pp=2",
+                    "strategy.name=ddp", "scaling.min_workers=2", "scaling.max_workers=4", "scaling.cpus_per_worker=1",
+                    f"scaling.placement_timeout_s={PLACEMENT_TIMEOUT_S}", f"training.steps={steps}",
+                    "training.global_batch_size=8", "training.record_samples=true", "checkpoint.every_steps=0",
+                    name="pp-notice")
+
+    def notice_then_replace_the_node(progress):
+        if progress.step >= 3 and progress.world_size == 4 and "noticed" not in actions:
+            actions["noticed"] = progress.step
+            give_preemption_notice(head, second_node)
+        elif "noticed" in actions and progress.layout == "pp2" and progress.state == "running" \
+                and "replaced" not in actions:  # formed: the leavers have handed their parts over
+            head.remove_node(second_node)
+            actions["new_node"] = head.add_node(num_cpus=2)
+            actions["replaced"] = progress.step
+
+    try:
+        result = train(disturbed, run_dir=tmp_path / "run", on_progress=notice_then_replace_the_node)
+    finally:
+        if "new_node" in actions:
+            head.remove_node(actions["new_node"])
+    formed = [e.details | {"step": e.step} for e in result.events if e.type == "generation_formed"]
+    keys = ("layout", "microbatches", "state_source", "steps_lost")
+    assert [tuple(f[key] for key in keys) for f in formed] == [
+        ("pp2 x dp2 (2 copies)", 2, "initialisation", 0), ("pp2", 4, "peers", 0),
+        ("pp2 x dp2 (2 copies)", 2, "peers", 0)], (formed, actions)
+    assert formed[1]["previous_layout"] == "pp2 x dp2 (2 copies)", formed
+    assert actions["replaced"] < formed[2]["step"] < steps, (formed, actions)  # grown on the new node, mid-run
+    drained = [e for e in result.events if e.type == "drained"]
+    assert [(e.details["node_id"], e.details["steps_lost"]) for e in drained] == [(second_node.node_id, 0)]
+    assert set(formed[1]["handed_over_by"]) <= set(drained[0].details["workers"]), formed  # their parts, if needed
+    assert not [e for e in result.events if e.type in ("worker_failed", "checkpointed") and e.step < steps]
+    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)
 
 
 @pytest.fixture

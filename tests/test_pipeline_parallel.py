@@ -20,7 +20,6 @@ from raylastic.workloads import load_workload
 from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import (
     REORDERED_SUMS_ATOL,
-    applied_samples,
     assert_states_close,
     job,
     load_model,
@@ -33,7 +32,7 @@ from tests.support.parallel_runs import (
     pipeline_train_and_report,
     train_and_report,
 )
-from tests.support.strategy_runs import undisturbed_run
+from tests.support.strategy_runs import TINY_GPT_OPTIONS, assert_trained_as_undisturbed, undisturbed_run
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +100,10 @@ def test_a_checkpoint_of_interleaved_stages_loads_exactly_at_tp2_and_at_dp4_and_
     assert_loads_exactly_at_tp2_and_dp4(path, saved, UNTIED)
 
 
-PP_OPTIONS = ("workload.options={n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, corpus_chars: 30000, "
-              "tie_embeddings: false}")
-
-
 @pytest.mark.usefixtures("ray_local")
 def test_a_zbv_run_ends_with_the_whole_models_parameters_gathered_from_its_stages(tmp_path):
     """Two ranks of two stages each, in a V (the first rank holds the first and the last stage)."""
-    calm = job("workload.name=chargpt", PP_OPTIONS.replace("n_layer: 2", "n_layer: 4"), "parallel.pp=2",
+    calm = job("workload.name=chargpt", TINY_GPT_OPTIONS.replace("n_layer: 2", "n_layer: 4"), "parallel.pp=2",
                "parallel.pp_schedule=zbv", "strategy.name=ddp", "training.steps=4", "training.global_batch_size=8",
                "scaling.cpus_per_worker=0.5", name="pp-calm")
     result = train(calm, run_dir=tmp_path / "run")
@@ -125,7 +120,7 @@ def test_a_tp2_pp2_run_that_loses_a_worker_goes_on_from_its_buddys_copy(tmp_path
     as a spare), which takes the whole model from the survivors' own parts and the lost one's buddy copy, at most
     one committed step redone; the run ends with an undisturbed run's parameters and every step applied once."""
     steps = 8
-    disturbed = job("workload.name=chargpt", PP_OPTIONS, "parallel.pp=2", "parallel.tp=2", "strategy.name=zero3",
+    disturbed = job("workload.name=chargpt", TINY_GPT_OPTIONS, "parallel.pp=2", "parallel.tp=2", "strategy.name=zero3",
                     "scaling.min_workers=1", "scaling.max_workers=4", f"training.steps={steps}",
                     "training.global_batch_size=8", "training.record_samples=true", "checkpoint.every_steps=0",
                     "scaling.cpus_per_worker=0.25", "faults=[{action: kill, rank: 1, step: 5}]", name="tp-pp-kill")
@@ -136,7 +131,4 @@ def test_a_tp2_pp2_run_that_loses_a_worker_goes_on_from_its_buddys_copy(tmp_path
     assert formed[1].details["previous_layout"] == "pp2 x tp2" and formed[1].details["steps_lost"] <= 1, formed
     for grown in formed[2:]:  # spares and the replacement, as they came: from the members' memory, nothing lost
         assert (grown.details["state_source"], grown.details["steps_lost"]) == ("peers", 0), formed
-    num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
-    samples, parameters = undisturbed_run(disturbed, num_samples)
-    assert applied_samples(result.ledger, steps, num_samples) == samples
-    assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)
+    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)

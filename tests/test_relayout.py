@@ -15,11 +15,10 @@ from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.region_plan import RegionCopy, plan_region_restore
-from raylastic.workloads import load_workload
 from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import REORDERED_SUMS_ATOL, applied_samples, assert_states_close, job, load_model
+from tests.support.helpers import job
 from tests.support.parallel_runs import relayout_each_and_report
-from tests.support.strategy_runs import undisturbed_run
+from tests.support.strategy_runs import TINY_GPT_OPTIONS, assert_trained_as_undisturbed
 
 RELAYOUTS = {  # old layout and strategy, new layout and strategy, the old ranks whose parts are lost
     "pp2-dp2-to-dp2-tp2": (ParallelLayout(pp=2, dp_replicate=2), "ddp", ParallelLayout(dp_shard=2, tp=2), "zero3",
@@ -73,10 +72,6 @@ def test_a_buddy_copy_stands_in_for_a_lost_part_and_a_spares_part_is_handed_to_a
     assert plan_region_restore([own[0], own[2], own[3]], members=2) is None  # no copy of old rank 1's part
 
 
-PP_OPTIONS = ("workload.options={n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, corpus_chars: 30000, "
-              "tie_embeddings: false}")
-
-
 @pytest.mark.usefixtures("ray_local")
 def test_a_dp2_pp2_run_that_loses_a_worker_mid_schedule_goes_on_in_place_and_grows_back_from_memory(tmp_path):
     """Two copies of a two-stage pipeline (ddp over them) on 4 workers; rank 2 (stage 1 of the first copy) is
@@ -86,7 +81,7 @@ def test_a_dp2_pp2_run_that_loses_a_worker_mid_schedule_goes_on_in_place_and_gro
     ready, it and the spare complete a second pipeline: the run grows back to (dp2, pp2) from the members' memory.
     It ends with an undisturbed run's parameters and every step applied once."""
     steps = 30
-    options = PP_OPTIONS[:-1] + ", pause_s: 0.1, full_world: 4}"  # slow while small: the growth comes in time
+    options = TINY_GPT_OPTIONS[:-1] + ", pause_s: 0.1, full_world: 4}"  # slow while small: the growth comes in time
     disturbed = job("workload.name=tests.support.user_workload:CharGPTSlowWhileSmall", options, "parallel.pp=2",
                     "strategy.name=ddp", "scaling.min_workers=2", "scaling.max_workers=4", f"training.steps={steps}",
                     "training.global_batch_size=8", "training.record_samples=true", "checkpoint.every_steps=0",
@@ -112,7 +107,7 @@ def test_three_survivors_of_a_dp2_pp2_run_of_six_blocks_re_plan_to_pp3_from_memo
     the blocks it lacks; when the replacement is ready, the run goes back to (dp2, pp2). No checkpoint is written or
     read, no committed step is lost, and the run ends with an undisturbed run's parameters."""
     steps = 20
-    options = PP_OPTIONS.replace("n_layer: 2", "n_layer: 6")[:-1] + ", pause_s: 0.1, full_world: 4}"
+    options = TINY_GPT_OPTIONS.replace("n_layer: 2", "n_layer: 6")[:-1] + ", pause_s: 0.1, full_world: 4}"
     disturbed = job("workload.name=tests.support.user_workload:CharGPTSlowWhileSmall", options, "parallel.pp=2",
                     "strategy.name=ddp", "scaling.min_workers=2", "scaling.max_workers=4", f"training.steps={steps}",
                     "training.global_batch_size=8", "training.record_samples=true", "checkpoint.every_steps=0",
@@ -138,7 +133,7 @@ def test_a_drained_worker_of_a_pp2_tp2_run_hands_its_part_over_in_memory(tmp_pat
     spare's. No checkpoint is written or read, no step is lost, and the run ends with an undisturbed run's
     parameters."""
     steps, name = 10, "pp-tp-drain"
-    options = PP_OPTIONS[:-1] + ", pause_s: 0.05, full_world: 5}"  # slow throughout: the drain comes mid-run
+    options = TINY_GPT_OPTIONS[:-1] + ", pause_s: 0.05, full_world: 5}"  # slow throughout: the drain comes mid-run
     disturbed = job("workload.name=tests.support.user_workload:CharGPTSlowWhileSmall", options, "parallel.pp=2",
                     "parallel.tp=2", "strategy.name=zero3", "strategy.buddy_copy=false", "scaling.min_workers=1",
                     "scaling.max_workers=4", f"training.steps={steps}", "training.global_batch_size=8",
@@ -157,13 +152,6 @@ def test_a_drained_worker_of_a_pp2_tp2_run_hands_its_part_over_in_memory(tmp_pat
         ("pp2 x tp2", "initialisation", 0), ("tp2", "peers", 0)], formed
     assert formed[1]["moved_bytes"] > 0 and formed[1]["step"] >= 3, formed
     assert [e.details["worker"] for e in result.events if e.type == "worker_left"] == drained
+    assert set(drained) <= set(formed[1]["handed_over_by"]), formed  # with the spare's part, if a piece needs it
     assert not [e for e in result.events if e.type == "checkpointed" and e.step < steps]
     assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)
-
-
-def assert_trained_as_undisturbed(result, config, run_dir, steps: int) -> None:
-    """Every step applied once to the samples an undisturbed run of ``config`` takes, ending with its parameters."""
-    num_samples = len(load_workload(config.workload.name, config.workload.options).train_dataset())
-    samples, parameters = undisturbed_run(config, num_samples)
-    assert applied_samples(result.ledger, steps, num_samples) == samples
-    assert_states_close(load_model(run_dir), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)

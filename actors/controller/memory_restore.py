@@ -28,12 +28,14 @@ def plan_memory_restore(group: Any, reports: list, *,
 
 def restore_from_memory(group: Any, plan: PeerRestorePlan | RegionRestorePlan) -> tuple[str, dict[str, Any]]:
     """Every member takes its part of ``plan``'s state from the kept copies; the state source's label, and under
-    model parallelism what moved."""
+    model parallelism what moved: its bytes, the ranks that sent them and the workers set aside that handed their
+    parts over (through Ray's object store)."""
     label = "buddy" if plan.from_buddies else "peers"
     if isinstance(plan, RegionRestorePlan):
         traffic = group.restore_regions(plan)
         return label, {"previous_layout": plan.layout.describe(),
                        "moved_bytes": sum(t.bytes_received for t in traffic),
-                       "moved_from": sorted({sender for t in traffic for sender in t.senders})}
+                       "moved_from": sorted({sender for t in traffic for sender in t.senders}),
+                       "handed_over_by": group.handed_over_by(plan)}
     group.restore_from_peers(plan)
     return label, {}

@@ -288,6 +288,11 @@ class WorkerGroup:
                 kept.append(())
         return kept
 
+    def handed_over_by(self, plan: RegionRestorePlan) -> list[str]:
+        """The workers set aside (spares, drained members) whose parts ``plan`` hands to members."""
+        return sorted({self.set_aside[index - self.size][0].name for handed in plan.deliveries.values()
+                       for index, _ in handed})
+
     def restore_regions(self, plan: RegionRestorePlan) -> list[RestoreTraffic]:
         """Every member lays the state of ``plan`` out in the new layout from the parts the members kept and those
         handed to it from spares (``plan.deliveries``, through Ray's object store); what each received."""
