@@ -15,6 +15,7 @@ from others.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import traceback
 from collections.abc import Callable
@@ -63,6 +64,7 @@ from raylastic.actors.controller.states import (
     stops_at_once,
 )
 from raylastic.actors.faults.plan import FaultPlan
+from raylastic.actors.processes.priority import run_at_normal_priority
 from raylastic.actors.status.group import Failure, GroupStatus, JobError, LostWorker, WorkersLost
 from raylastic.actors.status.run import RunResult, RunStatus
 from raylastic.actors.worker_group.group import MemberRaised, MembersFailed, WorkerGroup
@@ -71,6 +73,8 @@ from raylastic.actors.worker_group.placement import ReservedBundles
 from raylastic.jobconfig import JobConfig
 from raylastic.strategies.checkpoint_catalogue import Checkpoint, CheckpointSettings
 from raylastic.strategies.checkpoint_manifest import read_manifest
+
+logger = logging.getLogger(__name__)
 
 WAIT_SLICE_S = 1.0
 """While waiting for workers, how long one wait lasts before a stop request is looked at again."""
@@ -82,6 +86,9 @@ class Controller:
                  policies: RunPolicies | None = None) -> None:
         """``group``: the workers (built from ``job`` unless given, e.g. a test's fake); ``policies``: the decisions
         (``RunPolicies.for_job(job)`` unless given)."""
+        warning = run_at_normal_priority("Controller")  # it acts first on a failure, beside nice-0 ranks
+        if warning:
+            logger.warning(warning)
         self.job = job
         self.log = RunLog()
         self.metrics = RunMetrics(job.name)

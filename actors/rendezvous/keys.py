@@ -21,14 +21,18 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raylastic.actors.processes.priority import run_at_normal_priority
 from raylastic.actors.processes.setup_hook import TRAINS_NOTHING
 from raylastic.strategies.group_assignment import generation_prefix
+
+logger = logging.getLogger(__name__)
 
 
 class RendezvousAborted(Exception):
@@ -37,6 +41,9 @@ class RendezvousAborted(Exception):
 
 class RendezvousKeysStore:
     def __init__(self) -> None:
+        warning = run_at_normal_priority("run's rendezvous store")  # answers a failure's survivors first
+        if warning:
+            logger.warning(warning)
         self._values: dict[str, bytes] = {}
         self._aborted: set[str] = set()
         """Key prefixes whose waits end at once, raising RendezvousAborted."""
