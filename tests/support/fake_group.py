@@ -58,6 +58,8 @@ class FakeGroup:
         self.config_hash = config_hash
         self.stop_at_boundary = False
         self.shard_copies: list | None = None
+        self.cpu_s = 0.0
+        """This thread's CPU time spent playing the members' side (polls, joins, ends): not the Controller's."""
         self.refused: dict[str, str] = {}
         """Checkpoints whose loaders find a file altered -> why (``restore`` refuses them)."""
         self.start_failures: list = []
@@ -114,11 +116,13 @@ class FakeGroup:
         assert layout is None, "the fake group forms data-parallel generations only"
         self._call("join")
         self.generation += 1
-        copies = self.shard_copies or [()] * self.size
+        started, copies = time.thread_time(), self.shard_copies or [()] * self.size
         if not self.replicated:  # sharded state is built afresh for every group
             self.steps = dict.fromkeys(self.members, 0)
-        return [JoinReport(node_id="node", step=self.steps.setdefault(name, 0), shard_copies=held)
-                for name, held in zip(self.members, copies, strict=True)]
+        reports = [JoinReport(node_id="node", step=self.steps.setdefault(name, 0), shard_copies=held)
+                   for name, held in zip(self.members, copies, strict=True)]
+        self.cpu_s += time.thread_time() - started
+        return reports
 
     def sync_state(self, *, source_rank: int) -> None:
         self._call("sync_state")
@@ -160,7 +164,7 @@ class FakeGroup:
 
     def poll(self) -> GroupStatus:
         self._call("poll")
-        news = []
+        started, news = time.thread_time(), []
         for rank, name in enumerate(self.members):
             if self.phase[name] != "training":
                 continue
@@ -176,11 +180,15 @@ class FakeGroup:
         status = self._status(tuple(news))
         while self.poll_rewrites:
             status = self.poll_rewrites.pop(0)(status)
+        self.cpu_s += time.thread_time() - started
         return status
 
     def end_generation(self) -> GroupStatus:
         self._call("end_generation")
-        return self._status(())
+        started = time.thread_time()
+        status = self._status(())
+        self.cpu_s += time.thread_time() - started
+        return status
 
     def request_boundary(self) -> None:
         self.stop_at_boundary = True
