@@ -165,7 +165,8 @@ def priority_probe(run_name: str) -> tuple[Callable[[RunStatus], None], dict]:
 def test_training_workers_run_at_normal_priority_and_keep_freed_memory(readme_runs):
     """Ray's default worker niceness is 15. A local instance starts its workers at 0 (no root needed);
     a training worker, the Controller and the rendezvous store lower any higher niceness themselves where they may
-    (cluster heads started without RAY_worker_niceness=0; test_warm_start.py starts them at 15). A worker fixes glibc's malloc thresholds (actors/processes/allocator.py; their effect is
+    (cluster heads started without RAY_worker_niceness=0; test_warm_start.py starts them at 15). A worker fixes
+    glibc's malloc thresholds (actors/processes/allocator.py; their effect is
     tests/test_allocator.py's, in a fresh process: a live worker's faults depend on what it freed before,
     as glibc's own adaptation follows that history to the same ceilings). Seen in the README's run, at step 3."""
     seen = readme_runs[-1]
