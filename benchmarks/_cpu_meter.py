@@ -1,8 +1,9 @@
 """CPU use of a benchmark's process tree while a run trains (Linux /proc), for benchmarks/throughput.py.
 
-``CpuMeter`` samples every process below this one (Ray's and torchrun's too) and the machine 4 times a
-second; ``CpuMeter.measurement`` splits a steady-state window's CPU into the rank processes, the rest of
-the tree and everything outside it, per step.
+``CpuMeter`` samples every process below this one (Ray's and torchrun's too), the rank processes' threads and
+the machine 4 times a second; ``CpuMeter.measurement`` splits a steady-state window's CPU into the rank
+processes (and within them, each rank's training thread), the rest of the tree piece by piece
+(``SUPPORT_PIECES``) and everything outside it, per step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,26 @@ class Measurement:
     Ray's services; torchrun's: its launcher and the idle Ray): on 2 cores that 2 ranks fill, theirs to lose."""
     other_cpu_ms_per_step: float | None = None
     """Steady state: CPU ms per step of the machine's other processes (a shared machine's noise)."""
+    support_cpu_ms_per_step_by_piece: dict[str, float] | None = None
+    """Steady state: ``support_cpu_ms_per_step`` split by process (SUPPORT_PIECES; "driver": this process)."""
+    training_thread_cpu_ms_per_step: float | None = None
+    """Steady state: CPU ms per step of the ranks' training threads (each rank's busiest thread), together; the
+    rest of ``rank_cpu_ms_per_step`` is the ranks' other threads (Ray's, gloo's, a stop vote's)."""
+    training_thread_preemptions_per_step: float | None = None
+    """Steady state: involuntary context switches per step of a rank's training thread (mean over the ranks):
+    how often something else took its core."""
+
+
+SUPPORT_PIECES = {
+    "controller": ("ray::Controller",),
+    "rendezvous store": ("ray::RendezvousKeys",),
+    "ray services": ("gcs_server", "raylet", "ray-dashboard-", "dashboard.py", "monitor.py", "ray::DashboardAgent",
+                     "ray::RuntimeEnvAgent", "multiprocessing"),
+    "launcher": ("torch.distributed.run",),
+}
+"""A support process's piece: the first one a marker of which is in the name of its program (a Ray worker's title,
+``ray::...``, once Ray has set it), its script or ``-c`` code, not in its options; "other Ray workers" if none
+(idle workers, warm processes, a worker not titled yet); "driver": the benchmark's own process."""
 
 
 def descendants(pid: int) -> list[int]:
@@ -58,6 +79,8 @@ class _CpuSample:
     """CPU seconds each process of the benchmark's tree used since the meter started (the sampler excluded)."""
     busy_s: float
     """The machine's busy CPU seconds since the meter started."""
+    threads: dict[tuple[int, int], tuple[float, int]]
+    """(rank pid, thread id) -> the thread's CPU seconds and involuntary context switches since it started."""
 
 
 class CpuMeter:
@@ -70,6 +93,7 @@ class CpuMeter:
     def __init__(self, rank_marker: str) -> None:
         self._rank_marker = rank_marker
         self._ranks: set[int] = set()
+        self._pieces: dict[int, str] = {}
         self._first: dict[int, float] = {}
         self._busy_first = 0.0
         self._sampler_cpu_s = 0.0
@@ -86,15 +110,41 @@ class CpuMeter:
         self._stop.set()
         self._thread.join()
         self._sample()
-        per_step: dict[str, float | None] = {"rank": None, "support": None, "other": None}
+        per_step: dict[str, float] | None = None
+        threads: tuple[float, float] | None = None
         if self._linux and steady_window is not None and len(self.samples) >= 2:
             begin, end = (self._at(t) for t in steady_window)
-            for kind in per_step:
-                per_step[kind] = round(1000 * (end[kind] - begin[kind]) / steady_steps, 2)
+            per_step = {kind: round(1000 * (end[kind] - begin.get(kind, 0.0)) / steady_steps, 2) for kind in end}
+            threads = self._training_threads(steady_window, steady_steps)
         whole = self._split(self.samples[-1]) if self._linux else None
+        pieces = {kind.removeprefix("support:"): value for kind, value in (per_step or {}).items()
+                  if kind.startswith("support:")}
         return Measurement(round(samples_per_s, 1), round(wall_s, 2), round(whole["other"], 2) if whole else None,
-                           rank_cpu_ms_per_step=per_step["rank"], support_cpu_ms_per_step=per_step["support"],
-                           other_cpu_ms_per_step=per_step["other"])
+                           rank_cpu_ms_per_step=per_step and per_step["rank"],
+                           support_cpu_ms_per_step=per_step and per_step["support"],
+                           other_cpu_ms_per_step=per_step and per_step["other"],
+                           support_cpu_ms_per_step_by_piece=dict(sorted(pieces.items())) if per_step else None,
+                           training_thread_cpu_ms_per_step=threads and threads[0],
+                           training_thread_preemptions_per_step=threads and threads[1])
+
+    def _training_threads(self, window: tuple[float, float], steps: int) -> tuple[float, float] | None:
+        """The ranks' training threads (each rank's busiest in ``window``): their CPU ms per step together, and
+        their involuntary context switches per step, mean over the ranks."""
+        first = next((s for s in self.samples if s.at >= window[0]), None)
+        last = next((s for s in reversed(self.samples) if s.at <= window[1]), None)
+        if first is None or last is None or last.at <= first.at:
+            return None
+        busiest: dict[int, tuple[float, int]] = {}
+        for (pid, tid), (cpu, switches) in last.threads.items():
+            cpu_before, switches_before = first.threads.get((pid, tid), (0.0, 0))
+            used = (cpu - cpu_before, switches - switches_before)
+            if used > busiest.get(pid, (-1.0, 0)):
+                busiest[pid] = used
+        if not busiest:
+            return None
+        scale = (window[1] - window[0]) / (last.at - first.at) / steps  # the samples' span, stretched to the window
+        return (round(1000 * scale * sum(cpu for cpu, _ in busiest.values()), 2),
+                round(scale * sum(switches for _, switches in busiest.values()) / len(busiest), 1))
 
     def _at(self, when: float) -> dict[str, float]:
         """CPU seconds by kind at ``when``, interpolated between the samples around it."""
@@ -102,12 +152,18 @@ class CpuMeter:
         before, after = self.samples[max(0, later - 1)], self.samples[later]
         share = 0.0 if after.at == before.at else min(1.0, max(0.0, (when - before.at) / (after.at - before.at)))
         a, b = self._split(before), self._split(after)
-        return {kind: a[kind] + share * (b[kind] - a[kind]) for kind in a}
+        return {kind: a.get(kind, 0.0) + share * (b.get(kind, 0.0) - a.get(kind, 0.0)) for kind in a | b}
 
     def _split(self, sample: _CpuSample) -> dict[str, float]:
-        rank = sum(cpu for pid, cpu in sample.by_pid.items() if pid in self._ranks)
-        tree = sum(sample.by_pid.values())
-        return {"rank": rank, "support": tree - rank, "other": sample.busy_s - tree}
+        split = {"rank": 0.0, "support": 0.0}
+        for pid, cpu in sample.by_pid.items():
+            if pid in self._ranks:
+                split["rank"] += cpu
+            else:
+                split["support"] += cpu
+                piece = f"support:{self._pieces.get(pid, 'other Ray workers')}"
+                split[piece] = split.get(piece, 0.0) + cpu
+        return split | {"other": sample.busy_s - split["rank"] - split["support"]}
 
     def _watch(self) -> None:
         while not self._stop.wait(0.25):
@@ -138,21 +194,48 @@ class CpuMeter:
                 if first:
                     self._first[pid] = cpu
                 by_pid[pid] = cpu - self._first.get(pid, 0.0)
-                if pid not in self._ranks and self._is_rank(pid):
-                    self._ranks.add(pid)
+                if pid not in self._ranks and self._pieces.get(pid, "other Ray workers") == "other Ray workers":
+                    self._classify(pid)
             todo += children.get(pid, [])
         by_pid[os.getpid()] = by_pid.get(os.getpid(), 0.0) - self._sampler_cpu_s  # not the sampler's own CPU
         user, nice, system = (int(v) for v in Path("/proc/stat").read_text().split()[1:4])
         busy = (user + nice + system) / tick
         if first:
             self._busy_first = busy
-        self.samples.append(_CpuSample(time.time(), by_pid, busy - self._busy_first))
+        self.samples.append(_CpuSample(time.time(), by_pid, busy - self._busy_first, self._rank_threads(tick)))
 
-    def _is_rank(self, pid: int) -> bool:
+    def _classify(self, pid: int) -> None:
+        """A rank (its command line holds the rank marker) or a support process's piece (SUPPORT_PIECES); an
+        unmarked Ray worker is looked at again at the next sample, in case it became one of them."""
         try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
-            return False
-        return self._rank_marker in command and "torch.distributed.run" not in command
+            return
+        command = " ".join(argv)
+        if self._rank_marker in command and "torch.distributed.run" not in command:
+            self._ranks.add(pid)
+        elif pid == os.getpid():
+            self._pieces[pid] = "driver"
+        else:
+            names = [Path(arg).name for arg in argv[:4] if not arg.startswith("-")]  # program, script, module, code
+            self._pieces[pid] = next((piece for piece, markers in SUPPORT_PIECES.items()
+                                      if any(marker in name for marker in markers for name in names)),
+                                     "other Ray workers")
+
+    def _rank_threads(self, tick: int) -> dict[tuple[int, int], tuple[float, int]]:
+        """CPU seconds and involuntary context switches of every thread of the rank processes (a thread that ended
+        keeps its last values, as a process does)."""
+        threads = dict(self.samples[-1].threads) if self.samples else {}
+        for pid in self._ranks:
+            for task in Path(f"/proc/{pid}/task").glob("*") if Path(f"/proc/{pid}").exists() else ():
+                try:
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                    status = (task / "status").read_text()
+                except (OSError, IndexError):
+                    continue
+                switches = next(int(line.split()[1]) for line in status.splitlines()
+                                if line.startswith("nonvoluntary_ctxt_switches"))
+                threads[(pid, int(task.name))] = ((int(fields[11]) + int(fields[12])) / tick, switches)
+        return threads
 
 

@@ -36,11 +36,21 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     return {"cpu_count": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-            "platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
+            "platform": platform.platform(), "processor": platform.processor() or _cpu_model(),
+            "python": platform.python_version(),
             "torch": torch.__version__, "ray": ray.__version__,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": _git("describe", "--always",
                                                                                            "--dirty"),
             "command": shlex.join(["python", "-m", f"benchmarks.{Path(sys.argv[0]).stem}", *sys.argv[1:]])}
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and whether it computes bf16 natively (Linux /proc/cpuinfo; "" elsewhere): bf16 autocast
+    runs several times slower where it does not."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    return f"{model}{', AVX512-BF16' if 'avx512_bf16' in text else ', no AVX512-BF16' if model else ''}"
 
 
 def code_version() -> str:

@@ -10,7 +10,12 @@ checkpoint group with ``dist.new_group``), leave it, and form the next generatio
 
 A formation's time is the driver's, from sending every rank its assignment to the last rank's return;
 rounds alternate which store goes first; medians. The goal (issue 30): within 50 ms of TCPStore at 4
-ranks. Run from the repository root (~1 minute on 2 cores)::
+ranks.
+
+Then the same again with every core busy (one spinning process per core, at the ranks' priority, as two
+training ranks keep a 2-core machine), and how long a rank waits for each store's answer under that load: a
+``set`` then a ``get`` of a fresh key, one after the other (the store is what a failure's survivors need
+first). Run from the repository root (~2 minutes on 2 cores)::
 
     .venv/bin/python -m benchmarks.rendezvous                 # 4 ranks, 20 rounds
     .venv/bin/python -m benchmarks.rendezvous --ranks 2 --rounds 5
@@ -21,8 +26,11 @@ Writes benchmarks/results/rendezvous.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -40,6 +48,8 @@ from raylastic.strategies.process_group import join_group, leave_group
 GOAL_EXTRA_S = 0.050
 TIMEOUT_S = 60.0
 STORES = ("tcp", "ray")
+PROBES = 200
+"""Store answers timed per store under load."""
 
 
 @ray.remote(num_cpus=0)
@@ -57,6 +67,31 @@ class Rank:
 
     def leave(self) -> None:
         leave_group()
+
+    def answer_times_s(self, keys: object, tcp_port: int | None, count: int) -> list[float]:
+        """Seconds for each of ``count`` set-then-get pairs of fresh keys through one store."""
+        timeout = timedelta(seconds=TIMEOUT_S)
+        store = (dist.TCPStore("127.0.0.1", tcp_port, is_master=False, timeout=timeout) if tcp_port is not None
+                 else RayStore(keys, timeout=timeout))
+        times = []
+        for index in range(count):
+            started = time.perf_counter()
+            store.set(f"probe/{os.getpid()}/{index}", b"x")
+            store.get(f"probe/{os.getpid()}/{index}")
+            times.append(time.perf_counter() - started)
+        return times
+
+
+@contextlib.contextmanager
+def every_core_busy():
+    """One spinning process per core while the block runs."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 def formation_s(ranks: list, generation: int, kind: str, keys: object, tcp: dist.TCPStore, prefix: str) -> float:
@@ -79,20 +114,34 @@ def measure(num_ranks: int, rounds: int) -> dict:
     for kind in STORES:  # warm-up: imports, first connections
         formation_s(ranks, generation, kind, keys, tcp, prefix)
         generation += 1
-    times: dict[str, list[float]] = {kind: [] for kind in STORES}
-    for round_index in range(rounds):
-        for kind in alternated(STORES, round_index):
-            times[kind].append(formation_s(ranks, generation, kind, keys, tcp, prefix))
-            generation += 1
-        print(f"round {round_index + 1}/{rounds}: " + ", ".join(f"{k} {times[k][-1] * 1000:.1f} ms" for k in STORES),
-              flush=True)
-    medians = {kind: statistics.median(values) for kind, values in times.items()}
-    extra = medians["ray"] - medians["tcp"]
-    return {"ranks": num_ranks, "rounds": rounds,
-            "formation_s": {kind: [round(v, 5) for v in values] for kind, values in times.items()},
-            "median_formation_ms": {k: round(v * 1000, 1) for k, v in medians.items()},
-            "extra_ms": round(extra * 1000, 1), "goal_extra_ms": GOAL_EXTRA_S * 1000,
-            "meets_goal": extra <= GOAL_EXTRA_S}
+    result: dict = {"ranks": num_ranks, "rounds": rounds}
+    for load in ("idle", "every core busy"):
+        times: dict[str, list[float]] = {kind: [] for kind in STORES}
+        with every_core_busy() if load != "idle" else contextlib.nullcontext():
+            for round_index in range(rounds):
+                for kind in alternated(STORES, round_index):
+                    times[kind].append(formation_s(ranks, generation, kind, keys, tcp, prefix))
+                    generation += 1
+                print(f"{load}, round {round_index + 1}/{rounds}: "
+                      + ", ".join(f"{k} {times[k][-1] * 1000:.1f} ms" for k in STORES), flush=True)
+            answers = ({kind: ray.get(ranks[0].answer_times_s.remote(keys, tcp.port if kind == "tcp" else None,
+                                                                     PROBES), timeout=PROBES * TIMEOUT_S)
+                        for kind in STORES} if load != "idle" else None)
+        medians = {kind: statistics.median(values) for kind, values in times.items()}
+        figures = {"formation_s": {kind: [round(v, 5) for v in values] for kind, values in times.items()},
+                   "median_formation_ms": {k: round(v * 1000, 1) for k, v in medians.items()},
+                   "max_formation_ms": {k: round(max(v) * 1000, 1) for k, v in times.items()}}
+        if answers:
+            figures["store_answer_ms"] = {kind: {"median": round(statistics.median(v) * 1000, 2),
+                                                 "p99": round(sorted(v)[int(0.99 * len(v))] * 1000, 2),
+                                                 "max": round(max(v) * 1000, 2)} for kind, v in answers.items()}
+        if load == "idle":
+            extra = medians["ray"] - medians["tcp"]
+            result |= figures | {"extra_ms": round(extra * 1000, 1), "goal_extra_ms": GOAL_EXTRA_S * 1000,
+                                 "meets_goal": extra <= GOAL_EXTRA_S}
+        else:
+            result["under_load"] = figures | {"spinning_processes": os.cpu_count(), "probes": PROBES}
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,6 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     medians = result["median_formation_ms"]
     print(f"formation at {args.ranks} ranks: TCPStore {medians['tcp']} ms, RayStore {medians['ray']} ms: "
           f"+{result['extra_ms']} ms (goal: within {GOAL_EXTRA_S * 1000:.0f})")
+    loaded = result["under_load"]
+    print(f"every core busy: formation TCPStore {loaded['median_formation_ms']['tcp']} ms, RayStore "
+          f"{loaded['median_formation_ms']['ray']} ms; a set and a get, median / max: "
+          + ", ".join(f"{kind} {a['median']} / {a['max']} ms" for kind, a in loaded["store_answer_ms"].items()))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ def params_line(params: dict) -> str:
 
 
 def throughput(result: dict) -> list[str]:
-    rows = [[r["workload"], fmt(r["ours_median_samples_per_s"], 1), fmt(r["torchrun_median_samples_per_s"], 1),
+    rows = [[r["workload"] + (f" (run {r['carried_from']['date'][:10]})" if "carried_from" in r else ""),
+             fmt(r["ours_median_samples_per_s"], 1), fmt(r["torchrun_median_samples_per_s"], 1),
              f"**{r['ratio_ours_over_torchrun']:.3f}**", f"{r['paired_ratio_median']:.3f}",
              f"{r['median_cpu_ms_per_step']['ours']['rank']} / {r['median_cpu_ms_per_step']['torchrun']['rank']}",
              f"{r['median_cpu_ms_per_step']['ours']['support']} / {r['median_cpu_ms_per_step']['torchrun']['support']}",
@@ -47,11 +48,30 @@ def throughput(result: dict) -> list[str]:
            table(["workload", "ours samples/s", "torchrun", "ratio of medians", "paired ratio",
                   "rank CPU ms/step, ours / torchrun", "support CPU ms/step, ours / torchrun",
                   "largest parameter difference"], rows), ""]
+    out += cpu_by_piece(result)
     out += [f"- `{r['workload']}` ({len(r['ours'])} rounds, {r['steps']} steps, first {r['warmup_steps']} not "
             f"measured; load average {r['load_average_1_5_15_min']['before'][0]} before, "
             f"{r['load_average_1_5_15_min']['after'][0]} after): {params_line(r['job'])}" for r in result["results"]]
     out += [""] + [f"- {key}: {text}" for key, text in result.get("method", {}).items() if isinstance(text, str)]
     return out
+
+
+def cpu_by_piece(result: dict) -> list[str]:
+    """Where each side's CPU per step goes (medians over the rounds), where the run measured it by piece."""
+    rows = []
+    for r in result["results"]:
+        for side in ("ours", "torchrun"):
+            cpu = r["median_cpu_ms_per_step"][side]
+            if cpu.get("training_thread") is None:
+                continue
+            pieces = ", ".join(f"{piece} {fmt(ms)}" for piece, ms in cpu["support_by_piece"].items() if ms)
+            rows.append([r["workload"], side, fmt(cpu["training_thread"]), fmt(cpu["rank"] - cpu["training_thread"]),
+                         fmt(cpu["training_thread_preemptions"]), pieces])
+    if not rows:
+        return []
+    return ["Where the CPU goes, ms per step (medians over the rounds):", "",
+            table(["workload", "side", "training threads", "ranks' other threads", "preemptions of a training "
+                   "thread per step", "support processes"], rows), ""]
 
 
 STEP_VARIANTS = {"peer": "the peer's step (torchrun side)", "steprunner": "our StepRunner",

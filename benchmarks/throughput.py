@@ -92,7 +92,10 @@ def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, sc
             (ours if side == "ours" else peer).append(measurement)
             print(f"  {workload} round {round_index + 1}/{rounds} {side:9s} "
                   f"{measurement.samples_per_s:9.0f} samples/s  (run {measurement.wall_s:.1f}s; CPU ms/step: "
-                  f"ranks {measurement.rank_cpu_ms_per_step}, support {measurement.support_cpu_ms_per_step}, "
+                  f"ranks {measurement.rank_cpu_ms_per_step} (training threads "
+                  f"{measurement.training_thread_cpu_ms_per_step}, preempted "
+                  f"{measurement.training_thread_preemptions_per_step} times), support "
+                  f"{measurement.support_cpu_ms_per_step} {measurement.support_cpu_ms_per_step_by_piece}, "
                   f"other processes {measurement.other_cpu_ms_per_step})", flush=True)
         peer[-1] = dataclasses.replace(peer[-1], max_param_diff=max_param_diff(ours_dir, peer_dir))
     ours_median = statistics.median(m.samples_per_s for m in ours)
@@ -113,12 +116,31 @@ def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, sc
             "meets_goal": ours_median / peer_median >= GOAL_RATIO}
 
 
-def _median_cpu(measurements: list[Measurement]) -> dict[str, float | None]:
-    medians = {}
-    for kind in ("rank", "support", "other"):
-        values = [v for m in measurements if (v := getattr(m, f"{kind}_cpu_ms_per_step")) is not None]
-        medians[kind] = round(statistics.median(values), 2) if values else None
+def _median_cpu(measurements: list[Measurement]) -> dict:
+    """Medians over the rounds of each CPU figure per step: the ranks', their training threads' (and those
+    threads' preemptions), the support processes' (in all and by piece) and the machine's other processes'."""
+    def median(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return round(statistics.median(present), 2) if present else None
+
+    medians = {kind: median([getattr(m, f"{kind}_cpu_ms_per_step") for m in measurements])
+               for kind in ("rank", "training_thread", "support", "other")}
+    medians["training_thread_preemptions"] = median([m.training_thread_preemptions_per_step for m in measurements])
+    pieces = dict.fromkeys(piece for m in measurements for piece in m.support_cpu_ms_per_step_by_piece or {})
+    medians["support_by_piece"] = {piece: median([(m.support_cpu_ms_per_step_by_piece or {}).get(piece, 0.0)
+                                                  for m in measurements]) for piece in sorted(pieces)}
     return medians
+
+
+def carried_results(path: Path, ran: set[str]) -> list[dict]:
+    """The previous file's results of the workloads not run now (``carried_from``: the run that measured each), so
+    that running one workload again keeps the others'."""
+    if not path.exists():
+        return []
+    previous = json.loads(path.read_text())
+    origin = {key: previous.get("machine", {}).get(key) for key in ("date", "git", "processor", "command")}
+    return [{**result, "carried_from": result.get("carried_from", origin)}
+            for result in previous.get("results", []) if result["workload"] not in ran]
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -170,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
                                                       "after": [round(v, 2) for v in os.getloadavg()]}
 
     RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = "throughput" if args.peer_allocator == "glibc" else "throughput_same_allocator"
+    results = sorted(results + carried_results(RESULTS / f"{stem}.json", ran=set(args.workloads)),
+                     key=lambda r: WORKLOADS.index(r["workload"]))
     payload = {
         "benchmark": "steady-state samples/s, Raylastic 2-worker DDP vs torchrun --nproc-per-node 2 plain DDP",
         "machine": machine_info(), "goal_ratio": GOAL_RATIO, "results": results,
@@ -184,15 +209,17 @@ def main(argv: list[str] | None = None) -> None:
                         "seed and loss scaling; TensorDatasets indexed in memory, gpt's TokenBlocks through a torch "
                         "DataLoader; no metrics all-reduce, rank 0 logs loss.item() of its slice; times are rank "
                         "0's perf_counter after each optimizer step; the idle Ray stays up",
-            "cpu_ms_per_step": "CPU of the rank processes, of the rest of the benchmark's process tree (support) "
-                               "and of the machine's other processes, over the steady-state window, per step; "
-                               "/proc sampled every 0.25 s and interpolated",
+            "cpu_ms_per_step": "CPU of the rank processes (and of their training threads: each rank's busiest), "
+                               "of the rest of the benchmark's process tree (support; by piece: "
+                               "benchmarks/_cpu_meter.py SUPPORT_PIECES) and of the machine's other processes, "
+                               "over the steady-state window, per step; training_thread_preemptions: involuntary "
+                               "context switches of a rank's training thread per step, mean over the ranks; /proc "
+                               "sampled every 0.25 s and interpolated",
             "torchrun_malloc_thresholds": PEER_ALLOCATOR_TEXT[args.peer_allocator],
             "rounds": "one unmeasured warm-up run of each side, then rounds alternating, order flipped every "
                       "round; ratio: median ours / median torchrun; paired: the median over rounds of ours / "
                       "torchrun in the same round (less sensitive to a machine whose speed drifts between rounds)"},
     }
-    stem = "throughput" if args.peer_allocator == "glibc" else "throughput_same_allocator"
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
     plot(results, RESULTS / f"{stem}.png")
 
