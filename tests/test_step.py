@@ -7,6 +7,8 @@ weighed 0, dropout masks a function of the data order.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from raylastic.actors.data.order import micro_batches
@@ -63,3 +65,15 @@ def test_dropout_masks_are_drawn_from_the_step_and_position_not_the_process():
     first = gradients(DictBatches(dropout=0.5), indices, 3, process_seed=123)
     again = gradients(DictBatches(dropout=0.5), indices, 3, process_seed=456)
     assert first[0] == again[0] and all(torch.equal(a, b) for a, b in zip(first[1], again[1], strict=True))
+
+
+def test_the_step_cost_benchmarks_stand_ins_take_the_arguments_of_the_functions_they_replace():
+    """benchmarks/step_costs.py times StepRunner.run with some of actors/worker/step.py's functions replaced; a stand-in
+    that lags behind a changed signature fails the benchmark's every round (``clip_gradients`` gained ``across``)."""
+    from benchmarks.step_costs import ABLATIONS
+    from raylastic.actors.worker import step
+
+    for variant, replacements in ABLATIONS.items():
+        for name, stand_in in replacements.items():
+            expected = list(inspect.signature(getattr(step, name)).parameters)
+            assert list(inspect.signature(stand_in).parameters) == expected, (variant, name)
