@@ -21,7 +21,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the repository root is not on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import REPO_ROOT, RESULTS  # noqa: E402
-from benchmarks.report_sections import RENDERERS, generic  # noqa: E402
+from benchmarks.report_format import generic  # noqa: E402
+from benchmarks.report_sections import RENDERERS  # noqa: E402
 
 NOTES = REPO_ROOT / "docs" / "benchmarks-notes.md"
 OUTPUT = REPO_ROOT / "docs" / "benchmarks.md"
