@@ -105,6 +105,22 @@ def formation_s(ranks: list, generation: int, kind: str, keys: object, tcp: dist
     return elapsed
 
 
+def formations(ranks: list, keys: object, tcp: dist.TCPStore, prefix: str, generation: int, rounds: int,
+               load: str) -> tuple[dict, int]:
+    """``rounds`` formations through each store, alternating which goes first: their figures, and the next
+    generation number."""
+    times: dict[str, list[float]] = {kind: [] for kind in STORES}
+    for round_index in range(rounds):
+        for kind in alternated(STORES, round_index):
+            times[kind].append(formation_s(ranks, generation, kind, keys, tcp, prefix))
+            generation += 1
+        print(f"{load}, round {round_index + 1}/{rounds}: "
+              + ", ".join(f"{k} {times[k][-1] * 1000:.1f} ms" for k in STORES), flush=True)
+    return {"formation_s": {kind: [round(v, 5) for v in values] for kind, values in times.items()},
+            "median_formation_ms": {k: round(statistics.median(v) * 1000, 1) for k, v in times.items()},
+            "max_formation_ms": {k: round(max(v) * 1000, 1) for k, v in times.items()}}, generation
+
+
 def measure(num_ranks: int, rounds: int) -> dict:
     ranks = [Rank.remote() for _ in range(num_ranks)]
     keys = RendezvousKeys.remote()
@@ -114,34 +130,18 @@ def measure(num_ranks: int, rounds: int) -> dict:
     for kind in STORES:  # warm-up: imports, first connections
         formation_s(ranks, generation, kind, keys, tcp, prefix)
         generation += 1
-    result: dict = {"ranks": num_ranks, "rounds": rounds}
-    for load in ("idle", "every core busy"):
-        times: dict[str, list[float]] = {kind: [] for kind in STORES}
-        with every_core_busy() if load != "idle" else contextlib.nullcontext():
-            for round_index in range(rounds):
-                for kind in alternated(STORES, round_index):
-                    times[kind].append(formation_s(ranks, generation, kind, keys, tcp, prefix))
-                    generation += 1
-                print(f"{load}, round {round_index + 1}/{rounds}: "
-                      + ", ".join(f"{k} {times[k][-1] * 1000:.1f} ms" for k in STORES), flush=True)
-            answers = ({kind: ray.get(ranks[0].answer_times_s.remote(keys, tcp.port if kind == "tcp" else None,
-                                                                     PROBES), timeout=PROBES * TIMEOUT_S)
-                        for kind in STORES} if load != "idle" else None)
-        medians = {kind: statistics.median(values) for kind, values in times.items()}
-        figures = {"formation_s": {kind: [round(v, 5) for v in values] for kind, values in times.items()},
-                   "median_formation_ms": {k: round(v * 1000, 1) for k, v in medians.items()},
-                   "max_formation_ms": {k: round(max(v) * 1000, 1) for k, v in times.items()}}
-        if answers:
-            figures["store_answer_ms"] = {kind: {"median": round(statistics.median(v) * 1000, 2),
-                                                 "p99": round(sorted(v)[int(0.99 * len(v))] * 1000, 2),
-                                                 "max": round(max(v) * 1000, 2)} for kind, v in answers.items()}
-        if load == "idle":
-            extra = medians["ray"] - medians["tcp"]
-            result |= figures | {"extra_ms": round(extra * 1000, 1), "goal_extra_ms": GOAL_EXTRA_S * 1000,
-                                 "meets_goal": extra <= GOAL_EXTRA_S}
-        else:
-            result["under_load"] = figures | {"spinning_processes": os.cpu_count(), "probes": PROBES}
-    return result
+    idle, generation = formations(ranks, keys, tcp, prefix, generation, rounds, "idle")
+    with every_core_busy():
+        loaded, _ = formations(ranks, keys, tcp, prefix, generation, rounds, "every core busy")
+        answers = {kind: ray.get(ranks[0].answer_times_s.remote(keys, tcp.port if kind == "tcp" else None, PROBES),
+                                 timeout=PROBES * TIMEOUT_S) for kind in STORES}
+    loaded["store_answer_ms"] = {kind: {"median": round(statistics.median(v) * 1000, 2),
+                                        "p99": round(sorted(v)[int(0.99 * len(v))] * 1000, 2),
+                                        "max": round(max(v) * 1000, 2)} for kind, v in answers.items()}
+    extra_ms = idle["median_formation_ms"]["ray"] - idle["median_formation_ms"]["tcp"]
+    return {"ranks": num_ranks, "rounds": rounds, **idle, "extra_ms": round(extra_ms, 1),
+            "goal_extra_ms": GOAL_EXTRA_S * 1000, "meets_goal": extra_ms <= GOAL_EXTRA_S * 1000,
+            "under_load": loaded | {"spinning_processes": os.cpu_count(), "probes": PROBES}}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,9 +9,10 @@ It plays a group whose members train one step per poll. A test scripts what goes
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -116,13 +117,12 @@ class FakeGroup:
         assert layout is None, "the fake group forms data-parallel generations only"
         self._call("join")
         self.generation += 1
-        started, copies = time.thread_time(), self.shard_copies or [()] * self.size
-        if not self.replicated:  # sharded state is built afresh for every group
-            self.steps = dict.fromkeys(self.members, 0)
-        reports = [JoinReport(node_id="node", step=self.steps.setdefault(name, 0), shard_copies=held)
-                   for name, held in zip(self.members, copies, strict=True)]
-        self.cpu_s += time.thread_time() - started
-        return reports
+        with self._members_work():
+            copies = self.shard_copies or [()] * self.size
+            if not self.replicated:  # sharded state is built afresh for every group
+                self.steps = dict.fromkeys(self.members, 0)
+            return [JoinReport(node_id="node", step=self.steps.setdefault(name, 0), shard_copies=held)
+                    for name, held in zip(self.members, copies, strict=True)]
 
     def sync_state(self, *, source_rank: int) -> None:
         self._call("sync_state")
@@ -164,31 +164,29 @@ class FakeGroup:
 
     def poll(self) -> GroupStatus:
         self._call("poll")
-        started, news = time.thread_time(), []
-        for rank, name in enumerate(self.members):
-            if self.phase[name] != "training":
-                continue
-            if self.steps[name] >= self.until_step:
-                self.phase[name] = "finished"
-            elif self.stop_at_boundary:
-                self.phase[name] = "stopped"
-            else:
-                self.steps[name] += 1
-                result = StepResult(step=self.steps[name], loss_sum=1.0, samples=4, duration_s=0.01,
-                                    finished_at=time.time())
-                news.append(RankNews(rank, WorkerStatus(self.phase[name], self.steps[name], [result])))
-        status = self._status(tuple(news))
-        while self.poll_rewrites:
-            status = self.poll_rewrites.pop(0)(status)
-        self.cpu_s += time.thread_time() - started
-        return status
+        with self._members_work():
+            news = []
+            for rank, name in enumerate(self.members):
+                if self.phase[name] != "training":
+                    continue
+                if self.steps[name] >= self.until_step:
+                    self.phase[name] = "finished"
+                elif self.stop_at_boundary:
+                    self.phase[name] = "stopped"
+                else:
+                    self.steps[name] += 1
+                    result = StepResult(step=self.steps[name], loss_sum=1.0, samples=4, duration_s=0.01,
+                                        finished_at=time.time())
+                    news.append(RankNews(rank, WorkerStatus(self.phase[name], self.steps[name], [result])))
+            status = self._status(tuple(news))
+            while self.poll_rewrites:
+                status = self.poll_rewrites.pop(0)(status)
+            return status
 
     def end_generation(self) -> GroupStatus:
         self._call("end_generation")
-        started = time.thread_time()
-        status = self._status(())
-        self.cpu_s += time.thread_time() - started
-        return status
+        with self._members_work():
+            return self._status(())
 
     def request_boundary(self) -> None:
         self.stop_at_boundary = True
@@ -252,6 +250,15 @@ class FakeGroup:
         self.shut_down = True
 
     # -- helpers --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _members_work(self) -> Iterator[None]:
+        """Counts this thread's CPU time in the block as the members' (``cpu_s``)."""
+        started = time.thread_time()
+        try:
+            yield
+        finally:
+            self.cpu_s += time.thread_time() - started
+
     def _status(self, news: tuple[RankNews, ...]) -> GroupStatus:
         return GroupStatus(generation=self.generation, news=news,
                            members=tuple(MemberStatus(name, phase=self.phase.get(name, "training"),
