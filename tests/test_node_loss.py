@@ -195,7 +195,9 @@ def test_a_preemption_notice_on_a_node_holding_pipeline_stages_re_plans_in_place
     failure, no checkpoint. The node goes; when a new node appears, the replacements are placed on it and the run
     grows back to two copies from the members' memory. It ends with an undisturbed run's parameters."""
     steps, actions = 56, {}
-    options = TINY_GPT_OPTIONS[:-1] + ", pause_s: 0.15, full_world: 5}"  # slow throughout: the notice lands mid-run
+    # 0.3 s a step at full size, for the notice to land mid-run; 1.6 s a step on two workers, for the new node and
+    # its workers to start within the steps left even on a busy machine (the growth, not the steps, sets the time)
+    options = TINY_GPT_OPTIONS[:-1] + ", pause_s: 0.4, full_pause_s: 0.15}"
     disturbed = job("workload.name=tests.support.user_workload:CharGPTSlowWhileSmall", options, "parallel.pp=2",
                     "strategy.name=ddp", "scaling.min_workers=2", "scaling.max_workers=4", "scaling.cpus_per_worker=1",
                     f"scaling.placement_timeout_s={PLACEMENT_TIMEOUT_S}", f"training.steps={steps}",
@@ -221,7 +223,7 @@ def test_a_preemption_notice_on_a_node_holding_pipeline_stages_re_plans_in_place
     keys = ("layout", "microbatches", "state_source", "steps_lost")
     assert [tuple(f[key] for key in keys) for f in formed] == [
         ("pp2 x dp2 (2 copies)", 2, "initialisation", 0), ("pp2", 4, "peers", 0),
-        ("pp2 x dp2 (2 copies)", 2, "peers", 0)], (formed, actions)
+        ("pp2 x dp2 (2 copies)", 2, "peers", 0)], (actions, [e.to_dict() for e in result.events])
     assert formed[1]["previous_layout"] == "pp2 x dp2 (2 copies)", formed
     assert actions["replaced"] < formed[2]["step"] < steps, (formed, actions)  # grown on the new node, mid-run
     drained = [e for e in result.events if e.type == "drained"]
