@@ -7,10 +7,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import ray
 import torch
 
+from raylastic.actors.status.run import RunFailed
 from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import controller_name
 from raylastic.strategies.parallel_layout import ParallelLayout
@@ -97,6 +100,25 @@ def test_a_dp2_pp2_run_that_loses_a_worker_mid_schedule_goes_on_in_place_and_gro
     assert (formed[1]["previous_layout"], formed[1]["moved_bytes"]) == ("pp2 x dp2 (2 copies)", 0)
     assert formed[2]["step"] < steps
     assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_dp2_pp2_run_that_loses_both_copies_of_a_stage_with_no_checkpoint_ends_naming_what_was_lost(tmp_path):
+    """Ranks 2 and 3 hold the two copies of stage 1 and are killed in the same step, with no checkpoint written: the
+    stage exists nowhere, so the run ends saying so (not that "a worker and its buddy" were lost) and keeps its
+    result.json, rather than start over from step 0."""
+    disturbed = job("workload.name=chargpt", TINY_GPT_OPTIONS, "parallel.pp=2", "strategy.name=ddp",
+                    "scaling.min_workers=2",
+                    "scaling.max_workers=4", "training.steps=8", "training.global_batch_size=8",
+                    "checkpoint.every_steps=0", "scaling.cpus_per_worker=0.25",
+                    "faults=[{action: kill, rank: 2, step: 3}, {action: kill, rank: 3, step: 3}]", name="stage-lost")
+    with pytest.raises(RunFailed) as failure:
+        train(disturbed, run_dir=tmp_path / "run")
+    assert str(failure.value).startswith(
+        "the sharded state of step 2 is lost: every copy of one part of the model was lost (pp2 x dp2 (2 copies) "
+        "kept 2, one in each data-parallel copy), and no intact checkpoint holds it (checkpoint.every_steps=0)"), \
+        failure.value
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "failed"
 
 
 @pytest.mark.usefixtures("ray_local")

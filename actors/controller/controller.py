@@ -210,7 +210,7 @@ class Controller:
             self.group.release_departed()
 
     def _form_generation(self, state: Forming) -> RunState:
-        started, before = time.time(), self.step
+        started, before, lost_layout = time.time(), self.step, self.group.layout
         seen = self.layouts_seen
         layout = self.policies.layout.decide(self.group.size, limits=seen.limits, current=self.group.layout,
                                              measured=seen.measured(self.log.history()))
@@ -226,7 +226,8 @@ class Controller:
         source = choose_state_source(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
                                      run_step=self.step, peer_plan=plan, newest_checkpoint=newest)
         if isinstance(source, StateLost):
-            return Failed(source.reason(self.job.strategy, self.job.checkpoint.every_steps) + self.checkpoints.note())
+            return Failed(source.reason(self.job.strategy, self.job.checkpoint.every_steps, lost_layout)
+                          + self.checkpoints.note())
         moved = {}
         if isinstance(source, FromPeers):
             label, moved = restore_from_memory(self.group, source.plan)

@@ -29,6 +29,7 @@ from raylastic.actors.controller.layout_policy import LayoutPolicy, divisors
 from raylastic.actors.status.group import DONE_PHASES, GroupStatus, JobError, LostWorker, WorkersLost
 from raylastic.jobconfig import JobConfig, StrategyConfig
 from raylastic.strategies.checkpoint_catalogue import Checkpoint
+from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.peer_restore import PeerRestorePlan
 from raylastic.strategies.region_plan import RegionRestorePlan
 
@@ -268,14 +269,21 @@ class StateLost:
     step: int
     """The step the run had committed."""
 
-    def reason(self, strategy: StrategyConfig, checkpoint_every_steps: int) -> str:
-        """Why the run cannot go on, naming the settings that decided it."""
-        if strategy.replicas > 1:
+    def reason(self, strategy: StrategyConfig, checkpoint_every_steps: int,
+               lost_layout: ParallelLayout | None = None) -> str:
+        """Why the run cannot go on, naming the settings that decided it; ``lost_layout``: the model-parallel
+        layout of the generation that lost it (whose data-parallel copies are a part's copies), None without one."""
+        model_parallel = lost_layout is not None and lost_layout.pp * lost_layout.tp > 1
+        part = "part of the model" if model_parallel else "shard"
+        if model_parallel and lost_layout.dp_replicate > 1:
+            copies = (f"every copy of one part of the model was lost ({lost_layout.describe()} kept "
+                      f"{lost_layout.dp_replicate}, one in each data-parallel copy)")
+        elif not model_parallel and strategy.replicas > 1:
             copies = f"every copy of a shard (strategy.replicas={strategy.replicas}) was lost"
         elif strategy.buddy_copy:
-            copies = "a worker and its buddy, which held the copy of its shard (strategy.buddy_copy), were lost"
+            copies = f"a worker and its buddy, which held the copy of its {part} (strategy.buddy_copy), were lost"
         else:
-            copies = "a worker's shard existed nowhere else (strategy.buddy_copy=false, strategy.replicas=1)"
+            copies = f"a worker's {part} existed nowhere else (strategy.buddy_copy=false, strategy.replicas=1)"
         return (f"the sharded state of step {self.step} is lost: {copies}, and no intact checkpoint holds it "
                 f"(checkpoint.every_steps={checkpoint_every_steps}); the run ends rather than start over from step 0")
 
