@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import ray
 
 from raylastic.cluster.import_path import IMPORT_PATH_VARIABLE, SETUP_HOOK
+from raylastic.cluster.local_start import start_local_ray
 from raylastic.cluster.loopback import is_loopback, is_loopback_only, loopback_interfaces, loopback_node
 from raylastic.jobconfig.naming import NAMESPACE
 
@@ -64,9 +65,8 @@ def ray_session(address: str | None = None, *, min_cpus: float = 0.0) -> Iterato
         # Reachable from this machine only: Ray's services, gloo and NCCL on loopback (cluster/loopback.py).
         options["runtime_env"]["env_vars"].update(loopback_interfaces())
         with loopback_node():
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)),
-                     include_dashboard=False, dashboard_host="127.0.0.1", _system_config={"worker_niceness": 0},
-                     **options)
+            start_local_ray(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False,
+                            dashboard_host="127.0.0.1", _system_config={"worker_niceness": 0}, **options)
         if not is_loopback(ray.util.get_node_ip_address()):
             warnings.warn(f"the local Ray instance listens on {ray.util.get_node_ip_address()}, not on loopback "
                           f"only: this Ray ({ray.__version__}) did not take cluster/loopback.py's setting",

@@ -4,6 +4,7 @@ and from one that hangs, so the first is started again and the others are not.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -63,3 +64,29 @@ def test_a_head_whose_raylet_gave_up_on_a_slow_dashboard_agent_is_started_again(
         assert head.process.poll() is None and "Ray runtime started" in head.log()
     finally:
         stop_head(head)
+
+
+LAPTOP_RUN = """
+import psutil, ray
+from raylastic.cluster.connect import ray_session
+with ray_session():
+    print("answer", ray.get(ray.remote(lambda: 42).remote(), timeout=60), flush=True)
+left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+print("left", [" ".join(p.cmdline())[:120] for p in left], flush=True)
+"""
+
+
+@pytest.mark.processes
+def test_a_local_instance_whose_raylet_gave_up_on_a_slow_dashboard_agent_is_started_again(tmp_path: Path):
+    """What ``train`` does with no cluster (laptop mode): the first start's agent is held past its raylet's 15 s, so
+    ``ray.init`` fails; the failed start's processes are ended and the instance started again, and the run's Ray
+    answers. Nothing of either start is left once the session ends."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_FIRST_AGENT)
+    slowed_once = tmp_path / "slowed_once"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(tmp_path), SLOWED_ONCE=str(slowed_once))
+    done = subprocess.run([sys.executable, "-c", LAPTOP_RUN], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert slowed_once.exists()  # the first start was held up
+    assert "did not come up (attempt 1 of 3" in done.stderr, done.stderr[-3000:]
+    assert "answer 42" in done.stdout and "left []" in done.stdout, (done.stdout, done.stderr[-3000:])
