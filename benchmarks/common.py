@@ -93,14 +93,13 @@ def guarded(measure: Any, *args: Any, **kwargs: Any) -> dict:
 def local_ray(num_cpus: int, *, ours: bool = True) -> None:
     """A local Ray instance; ours: the job's runtime environment as ``raylastic train`` sets it (the setup hook
     that imports our modules), otherwise as a Ray Train user's job has it."""
-    import ray
-
     from raylastic.cluster.connect import job_runtime_env
+    from raylastic.cluster.local_start import start_local_ray
     from raylastic.jobconfig.naming import NAMESPACE
 
     runtime_env = job_runtime_env(str(REPO_ROOT)) if ours else {"env_vars": {"PYTHONPATH": str(REPO_ROOT)}}
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
-             logging_level=logging.WARNING, runtime_env=runtime_env)
+    start_local_ray(num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+                    logging_level=logging.WARNING, runtime_env=runtime_env)
 
 
 def alternated(sides: Sequence[T], round_index: int) -> list[T]:
