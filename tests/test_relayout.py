@@ -108,9 +108,8 @@ def test_a_dp2_pp2_run_that_loses_both_copies_of_a_stage_with_no_checkpoint_ends
     stage exists nowhere, so the run ends saying so (not that "a worker and its buddy" were lost) and keeps its
     result.json, rather than start over from step 0."""
     disturbed = job("workload.name=chargpt", TINY_GPT_OPTIONS, "parallel.pp=2", "strategy.name=ddp",
-                    "scaling.min_workers=2",
-                    "scaling.max_workers=4", "training.steps=8", "training.global_batch_size=8",
-                    "checkpoint.every_steps=0", "scaling.cpus_per_worker=0.25",
+                    "scaling.min_workers=2", "scaling.max_workers=4", "training.steps=8",
+                    "training.global_batch_size=8", "checkpoint.every_steps=0", "scaling.cpus_per_worker=0.25",
                     "faults=[{action: kill, rank: 2, step: 3}, {action: kill, rank: 3, step: 3}]", name="stage-lost")
     with pytest.raises(RunFailed) as failure:
         train(disturbed, run_dir=tmp_path / "run")
