@@ -74,7 +74,8 @@ class PlainDDP:
 
     job: JobConfig
     workload: Any
-    model: DistributedDataParallel
+    model: torch.nn.Module
+    """The DDP-wrapped model; the model itself at world size 1, as ours (strategies/ddp.py ``wrap_ddp``)."""
     optimizer: torch.optim.Optimizer
     batches: Iterator
     position: int
@@ -93,8 +94,8 @@ class PlainDDP:
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay)
         order = GlobalSampleOrder(len(workload.train_dataset()), training.global_batch_size, training.seed)
-        return cls(job, workload, DistributedDataParallel(model, bucket_cap_mb=job.strategy.bucket_cap_mb),
-                   optimizer, step_batches(workload, job, order, rank, world_size, steps),
+        wrapped = model if world_size == 1 else DistributedDataParallel(model, bucket_cap_mb=job.strategy.bucket_cap_mb)
+        return cls(job, workload, wrapped, optimizer, step_batches(workload, job, order, rank, world_size, steps),
                    rank * training.global_batch_size // world_size)
 
     def step(self, step: int) -> tuple[torch.Tensor, int]:
@@ -147,7 +148,7 @@ def main() -> None:
             step_times.append(time.perf_counter() - started)
 
     if rank == 0:
-        state = {k: v.detach().clone() for k, v in peer.model.module.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in getattr(peer.model, "module", peer.model).state_dict().items()}
         torch.save(state, args.out + ".pt")
         with open(args.out, "w") as f:
             json.dump({"step_times_s": step_times, "started_unix_s": started_unix_s, "rank0_losses": losses,

@@ -30,6 +30,7 @@ OUTPUT = REPO_ROOT / "docs" / "benchmarks.md"
 TITLES = {  # page order; a result file not named here gets a generic section after these
     "throughput": "Throughput",
     "throughput_same_allocator": "Throughput, the peer with our malloc thresholds",
+    "throughput_same_allocator_1_worker": "Throughput, the peer with our malloc thresholds, 1 worker a side",
     "step_costs": "Step costs",
     "step_costs_ray": "Step costs in Ray actors",
     "recovery": "Recovery and scale-up",

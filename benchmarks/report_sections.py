@@ -17,7 +17,9 @@ def throughput(result: dict) -> list[str]:
              f"{r['median_cpu_ms_per_step']['ours']['support']} / {r['median_cpu_ms_per_step']['torchrun']['support']}",
              fmt(max(m["max_param_diff"] for m in r["torchrun"]))]
             for r in result["results"]]
-    out = [f"Ours / torchrun steady-state samples/s, 2 workers (goal: at least {result['goal_ratio']}):", "",
+    workers = result["results"][0].get("num_workers", 2)
+    out = [f"Ours / torchrun steady-state samples/s, {workers} worker{'s' if workers > 1 else ''} a side (goal: at "
+           f"least {result['goal_ratio']}):", "",
            table(["workload", "ours samples/s", "torchrun", "ratio of medians", "paired ratio",
                   "rank CPU ms/step, ours / torchrun", "support CPU ms/step, ours / torchrun",
                   "largest parameter difference"], rows), ""]
@@ -376,7 +378,8 @@ def control_plane_real(result: dict) -> list[str]:
 
 
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
-    "throughput": throughput, "throughput_same_allocator": throughput, "step_costs": step_costs,
+    "throughput": throughput, "throughput_same_allocator": throughput,
+    "throughput_same_allocator_1_worker": throughput, "step_costs": step_costs,
     "step_costs_ray": step_costs, "recovery": recovery,
     "redundancy": redundancy, "balance": balance,
     "memory": memory, "checkpoint": checkpoint, "communication": communication, "slow_links": slow_links,

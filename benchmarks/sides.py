@@ -61,11 +61,12 @@ class SteadyState:
         return None if origin is None else (origin + self.first_s, origin + self.last_s)
 
 
-def job_sections(workload: str, steps: int, global_batch_size: int, scratch: Path) -> dict:
+def job_sections(workload: str, steps: int, global_batch_size: int, scratch: Path,
+                 num_workers: int = NUM_WORKERS) -> dict:
     """The job config both sides run (ours as a JobConfig, torchrun's peer reads it as JSON)."""
     sections = {"workload": {"name": workload},
                 "training": {"steps": steps, "global_batch_size": global_batch_size},
-                "scaling": {"min_workers": NUM_WORKERS, "max_workers": NUM_WORKERS, "cpus_per_worker": 1},
+                "scaling": {"min_workers": num_workers, "max_workers": num_workers, "cpus_per_worker": 1},
                 "checkpoint": {"every_steps": 0, "resume": "never"}}
     if workload == "gpt":
         sections["workload"]["options"] = {"data_dir": str(gpt_token_dir(scratch)), **GPT_MODEL}

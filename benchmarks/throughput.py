@@ -20,12 +20,14 @@ repository root (about 12 minutes on 2 cores)::
     python -m benchmarks.throughput --rounds 3                        # digits, chargpt and gpt
     python -m benchmarks.throughput --workloads gpt digits --rounds 6
     python -m benchmarks.throughput --rounds 3 --peer-allocator ours  # the peer keeps freed memory too
+    python -m benchmarks.throughput --rounds 3 --peer-allocator ours --workers 1  # a core to spare
 
 Our workers fix glibc's malloc thresholds (actors/processes/allocator.py); torchrun's ranks run with glibc's
 defaults, as a torchrun user gets them, unless ``--peer-allocator ours`` gives them the same thresholds.
 
 Writes benchmarks/results/throughput.json and throughput.png (throughput_same_allocator.* with
-``--peer-allocator ours``). The peer is benchmarks/_torchrun_ddp.py.
+``--peer-allocator ours``, and ``_1_worker`` added to the name with ``--workers 1``: one rank a side on 2 cores,
+so that what runs beside the ranks has a core of its own). The peer is benchmarks/_torchrun_ddp.py.
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ def max_param_diff(ours_dir: Path, peer_dir: Path) -> float:
 
 
 def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, scratch: Path,
-              peer_env: Mapping[str, str]) -> dict:
-    sections = job_sections(workload, steps, global_batch_size, scratch)
-    run_peer = functools.partial(run_torchrun, peer_env=peer_env)
+              peer_env: Mapping[str, str], num_workers: int = NUM_WORKERS) -> dict:
+    sections = job_sections(workload, steps, global_batch_size, scratch, num_workers)
+    run_peer = functools.partial(run_torchrun, num_workers=num_workers, peer_env=peer_env)
     ours: list[Measurement] = []
     peer: list[Measurement] = []
     for side, run in (("ours", run_ours), ("torchrun", run_peer)):  # warm-up: not measured
@@ -103,7 +105,7 @@ def benchmark(workload: str, steps: int, global_batch_size: int, rounds: int, sc
     round_ratios = [round(o.samples_per_s / p.samples_per_s, 4) for o, p in zip(ours, peer, strict=True)]
     paired = statistics.median(round_ratios)
     return {"workload": workload, "steps": steps, "warmup_steps": max(1, int(steps * WARMUP_FRACTION)),
-            "global_batch_size": global_batch_size, "num_workers": NUM_WORKERS,
+            "global_batch_size": global_batch_size, "num_workers": num_workers,
             "job": {k: v for k, v in sections.items() if k in ("workload", "training", "optim")},
             "ours": [asdict(m) for m in ours], "torchrun": [asdict(m) for m in peer],
             "ours_median_samples_per_s": round(ours_median, 1),
@@ -155,9 +157,11 @@ def plot(results: list[dict], path: Path) -> None:
             values = [m["samples_per_s"] for m in result[side]]
             ax.bar(x, statistics.median(values), color=color, alpha=0.8, width=0.6)
             ax.scatter([x] * len(values), values, color="black", s=12, zorder=3)
-        ax.set_xticks([0, 1], ["Raylastic (Ray)", "torchrun + DDP"])
+        workers = result["num_workers"]
+        ax.set_xticks([0, 1], ["Raylastic (Ray)", "torchrun + DDP" if workers > 1 else "torchrun"])
         ax.set_ylabel("samples/s (steady state)")
-        ax.set_title(f"{result['workload']}, B={result['global_batch_size']}, 2 workers\n"
+        ax.set_title(f"{result['workload']}, B={result['global_batch_size']}, "
+                     f"{workers} worker{'s' if workers > 1 else ''}\n"
                      f"ours/torchrun = {result['ratio_ours_over_torchrun']:.3f}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -176,34 +180,39 @@ def main(argv: list[str] | None = None) -> None:
                         help="the torchrun ranks' malloc thresholds: glibc's defaults, as a torchrun user gets them "
                              "(writes throughput.json), or ours, as actors/processes/allocator.py sets them in our "
                              "workers (writes throughput_same_allocator.json)")
+    parser.add_argument("--workers", type=int, choices=(1, 2), default=NUM_WORKERS,
+                        help="ranks on each side (default 2, one per core of a 2-core machine; 1 leaves a core to the "
+                             "Controller, the driver and Ray's services: writes <file>_1_worker.json)")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or (args.steps is not None and args.steps < 5) or args.global_batch_size < NUM_WORKERS:
-        parser.error("need --rounds >= 1, --steps >= 5 and --global-batch-size >= 2")
+    if args.rounds < 1 or (args.steps is not None and args.steps < 5) or args.global_batch_size < args.workers:
+        parser.error(f"need --rounds >= 1, --steps >= 5 and --global-batch-size >= {args.workers}")
 
     os.chdir(REPO_ROOT)  # Ray workers import the workloads from the current directory
     results = []
-    with tempfile.TemporaryDirectory(prefix="raylastic-throughput-") as scratch, ray_session(min_cpus=NUM_WORKERS):
+    with tempfile.TemporaryDirectory(prefix="raylastic-throughput-") as scratch, ray_session(min_cpus=args.workers):
         for workload in dict.fromkeys(args.workloads):
             load_before = os.getloadavg()
             steps = args.steps or DEFAULT_STEPS[workload]
             results.append(benchmark(workload, steps, args.global_batch_size, args.rounds, Path(scratch),
-                                     PEER_ALLOCATORS[args.peer_allocator]))
+                                     PEER_ALLOCATORS[args.peer_allocator], args.workers))
             results[-1]["load_average_1_5_15_min"] = {"before": [round(v, 2) for v in load_before],
                                                       "after": [round(v, 2) for v in os.getloadavg()]}
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "throughput" if args.peer_allocator == "glibc" else "throughput_same_allocator"
+    stem = ("throughput" if args.peer_allocator == "glibc" else "throughput_same_allocator") + (
+        "" if args.workers == NUM_WORKERS else f"_{args.workers}_worker")
     results = sorted(results + carried_results(RESULTS / f"{stem}.json", ran=set(args.workloads)),
                      key=lambda r: WORKLOADS.index(r["workload"]))
     payload = {
-        "benchmark": "steady-state samples/s, Raylastic 2-worker DDP vs torchrun --nproc-per-node 2 plain DDP",
+        "benchmark": f"steady-state samples/s, Raylastic {args.workers}-worker DDP vs torchrun --nproc-per-node "
+                     f"{args.workers} plain DDP",
         "machine": machine_info(), "goal_ratio": GOAL_RATIO, "results": results,
         "peer_allocator": args.peer_allocator,
         "method": {
             "warmup_fraction": WARMUP_FRACTION,
-            "ours": "cluster.job.train, 2 workers x 1 CPU (1 torch thread), checkpoint only at the end; times "
-                    "are the workers' step-commit wall clocks from RunResult.history; one Ray for all rounds "
-                    "(its long polls: actors/worker_group/group.py LONG_POLL_S, cluster/job.py PROGRESS_WAIT_S)",
+            "ours": f"cluster.job.train, {args.workers} worker(s) x 1 CPU (1 torch thread), checkpoint only at the "
+                    "end; times are the workers' step-commit wall clocks from RunResult.history; one Ray for all "
+                    "rounds (its long polls: actors/worker_group/group.py LONG_POLL_S, cluster/job.py PROGRESS_WAIT_S)",
             "torchrun": "benchmarks/_torchrun_ddp.py, reading the same job config: DDP(gloo, 25 MiB buckets), "
                         "same seed, GlobalSampleOrder, optimizer, lr schedule, clipping, precision, per-step dropout "
                         "seed and loss scaling; TensorDatasets indexed in memory, gpt's TokenBlocks through a torch "
