@@ -204,8 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     results = sorted(results + carried_results(RESULTS / f"{stem}.json", ran=set(args.workloads)),
                      key=lambda r: WORKLOADS.index(r["workload"]))
     payload = {
-        "benchmark": f"steady-state samples/s, Raylastic {args.workers}-worker DDP vs torchrun --nproc-per-node "
-                     f"{args.workers} plain DDP",
+        "benchmark": (f"steady-state samples/s, Raylastic {args.workers}-worker DDP vs torchrun --nproc-per-node "
+                      f"{args.workers} plain DDP" + (" (at 1 rank neither side wraps the model)" if args.workers == 1
+                                                    else "")),
         "machine": machine_info(), "goal_ratio": GOAL_RATIO, "results": results,
         "peer_allocator": args.peer_allocator,
         "method": {
