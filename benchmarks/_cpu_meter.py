@@ -48,10 +48,14 @@ SUPPORT_PIECES = {
     "ray services": ("gcs_server", "raylet", "ray-dashboard-", "dashboard.py", "monitor.py", "ray::DashboardAgent",
                      "ray::RuntimeEnvAgent", "multiprocessing"),
     "launcher": ("torch.distributed.run",),
+    "idle Ray workers": ("ray::IDLE",),
 }
 """A support process's piece: the first one a marker of which is in the name of its program (a Ray worker's title,
 ``ray::...``, once Ray has set it), its script or ``-c`` code, not in its options; "other Ray workers" if none
-(idle workers, warm processes, a worker not titled yet); "driver": the benchmark's own process."""
+(a worker not titled yet); "driver": the benchmark's own process. An idle worker's CPU is its start: a warm process
+(actors/processes/setup_hook.py) imports torch and our modules there, once."""
+RECLASSIFIED = ("other Ray workers", "idle Ray workers")
+"""Pieces looked at again at every sample: such a process may become a rank or another piece."""
 
 
 def descendants(pid: int) -> list[int]:
@@ -194,7 +198,7 @@ class CpuMeter:
                 if first:
                     self._first[pid] = cpu
                 by_pid[pid] = cpu - self._first.get(pid, 0.0)
-                if pid not in self._ranks and self._pieces.get(pid, "other Ray workers") == "other Ray workers":
+                if pid not in self._ranks and self._pieces.get(pid, "other Ray workers") in RECLASSIFIED:
                     self._classify(pid)
             todo += children.get(pid, [])
         by_pid[os.getpid()] = by_pid.get(os.getpid(), 0.0) - self._sampler_cpu_s  # not the sampler's own CPU

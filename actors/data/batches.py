@@ -3,8 +3,10 @@
 A generation trains steps [first_step, until_step); this rank's part of each is known in advance
 (actors/data/order.py), so a DataLoader driven by a batch sampler of exactly those indices can
 fetch and collate them ahead, in worker processes when ``data.num_workers`` > 0, while the
-training thread computes. The loader is rebuilt at every generation (rank and world size change)
-and whenever the batch split changes; the data order does not.
+training thread computes. Without worker processes the training thread fetches each batch itself, as such a
+DataLoader would, less the loader's per-batch overhead (~0.1 ms: a twentieth of a small model's step). The loader
+is rebuilt at every generation (rank and world size change) and whenever the batch split changes; the data order
+does not.
 
 Example::
 
@@ -37,11 +39,13 @@ class PlannedIndices(Sampler[list[int]]):
         self.first_step, self.until_step, self.micro_batch_size = first_step, until_step, micro_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
+        return (chunk.tolist() for chunk in self.chunks())
+
+    def chunks(self) -> Iterator[torch.Tensor]:
+        """The same micro-batches' indices as tensors."""
         count = micro_batch_count(self.split, self.micro_batch_size)
         for step in range(self.first_step, self.until_step):
-            indices = self.order.split_indices(step, self.split, self.rank)
-            for chunk in micro_batches(indices, count):
-                yield chunk.tolist()
+            yield from micro_batches(self.order.split_indices(step, self.split, self.rank), count)
 
     def __len__(self) -> int:
         return (self.until_step - self.first_step) * micro_batch_count(self.split, self.micro_batch_size)
@@ -59,7 +63,7 @@ class TensorRows(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         return tuple(t[index] for t in self.tensors)
 
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+    def __getitems__(self, indices: list[int] | torch.Tensor) -> tuple[torch.Tensor, ...]:
         chosen = torch.as_tensor(indices)
         return tuple(t[chosen] for t in self.tensors)
 
@@ -75,9 +79,10 @@ def loader_inputs(dataset: Dataset, collate: Collate | None) -> tuple[Dataset, C
     return dataset, collate or default_collate
 
 
-def fetch_batch(source: Dataset, collate: Collate, indices: list[int]) -> Any:
+def fetch_batch(source: Dataset, collate: Collate, indices: list[int] | torch.Tensor) -> Any:
     """``source``'s items at ``indices``, collated: in one call where the dataset fetches many at once
-    (``__getitems__``: TensorRows, Hugging Face datasets), item by item otherwise (what a DataLoader does)."""
+    (``__getitems__``: TensorRows, Hugging Face datasets), item by item otherwise (what a DataLoader does).
+    ``indices`` may be a tensor only for TensorRows."""
     items = source.__getitems__(indices) if hasattr(source, "__getitems__") else [source[i] for i in indices]
     return collate(items)
 
@@ -90,6 +95,9 @@ def planned_batches(dataset: Dataset, order: GlobalSampleOrder, *, split: BatchS
                              micro_batch_size=micro_batch_size)
     source, collate_fn = loader_inputs(dataset, collate)
     workers = data.num_workers
+    if not workers and not pin_memory:
+        planned = sampler.chunks() if isinstance(source, TensorRows) else iter(sampler)
+        return (fetch_batch(source, collate_fn, indices) for indices in planned)
     loader = DataLoader(source, batch_sampler=sampler, collate_fn=collate_fn, num_workers=workers,
                         prefetch_factor=data.prefetch_factor if workers else None, pin_memory=pin_memory)
     return iter(loader)
