@@ -93,5 +93,7 @@ def micro_batch_count(split: BatchSplit, micro_batch_size: int | None) -> int:
 def micro_batches(indices: torch.Tensor, count: int) -> list[torch.Tensor]:
     """A rank's slice in ``count`` contiguous micro-batches of near-equal size, in order. A slice of fewer
     than ``count`` samples is padded with copies of its last sample, which the step weights by 0."""
+    if count == 1:
+        return [indices]
     chunks = list(torch.tensor_split(indices, min(count, len(indices))))
     return chunks + [indices[-1:]] * (count - len(chunks))

@@ -93,8 +93,9 @@ class StepRunner:
     def place(self) -> DataPlace:
         return DataPlace.in_group(self.layout)
 
-    def current_split(self) -> BatchSplit:
-        ranks = self.place().ranks
+    def current_split(self, place: DataPlace | None = None) -> BatchSplit:
+        """``place``: this rank's (``self.place()`` if not given)."""
+        ranks = (place or self.place()).ranks
         if self.split is not None and self.split.world_size == ranks and self.layout is None:
             return self.split
         return BatchSplit.even(self.order.global_batch_size, ranks)
@@ -123,7 +124,7 @@ class StepRunner:
         if batches is None:
             batches = self.batches(self.dataset, step_index, step_index + 1)
         rank, place = dist.get_rank(), self.place()
-        split = self.current_split()
+        split = self.current_split(place)
         indices = self.order.split_indices(step_index, split, place.rank)
         # Averaged gradients (DDP, FSDP, over the data-parallel ranks): weights that make the average the global
         # batch's mean; a rank stepping on its own gradient (diloco): its own mean.
@@ -240,7 +241,7 @@ def backward_over_micro_batches(workload: Workload, model: torch.nn.Module, batc
     micro-batch seeds the RNG from it); ``no_sync``: the context every micro-batch but the last runs in (the
     strategy's); ``scale``: fp16's loss scaling; ``before_last``: called before the backward that reduces the
     gradients; ``stream``: this rank's random stream among the ranks that take the same samples (``DataPlace``)."""
-    loss_sum = torch.zeros((), device=device)
+    loss_sum: torch.Tensor | None = None
     chunks = micro_batches(indices, count)
     last_chunk = len(chunks) - 1
     for number, chunk in enumerate(chunks):
@@ -252,12 +253,13 @@ def backward_over_micro_batches(workload: Workload, model: torch.nn.Module, batc
             loss = workload.training_step(model, batch)
         samples_loss = loss.float() * samples
         detached = samples_loss.detach()  # under loss_parallel, a DTensor replicated over the tp ranks
-        loss_sum = loss_sum + (detached.full_tensor() if isinstance(detached, DTensor) else detached)
+        detached = detached.full_tensor() if isinstance(detached, DTensor) else detached
+        loss_sum = detached if loss_sum is None else loss_sum + detached
         scaled = samples_loss * weight
         if number == last_chunk and before_last is not None:
             before_last()
         (scale(scaled) if scale else scaled).backward()
-    return loss_sum
+    return loss_sum if loss_sum is not None else torch.zeros((), device=device)
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
