@@ -52,8 +52,8 @@ SUPPORT_PIECES = {
 }
 """A support process's piece: the first one a marker of which is in the name of its program (a Ray worker's title,
 ``ray::...``, once Ray has set it), its script or ``-c`` code, not in its options; "other Ray workers" if none
-(a worker not titled yet); "driver": the benchmark's own process. An idle worker's CPU is its start: a warm process
-(actors/processes/setup_hook.py) imports torch and our modules there, once."""
+(a worker not titled yet); "driver": the benchmark's own process. An idle worker takes Ray's periodic wake-ups, and
+a warm process of ours (actors/processes/setup_hook.py) its one-time import of torch and our modules."""
 RECLASSIFIED = ("other Ray workers", "idle Ray workers")
 """Pieces looked at again at every sample: such a process may become a rank or another piece."""
 
