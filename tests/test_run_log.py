@@ -10,6 +10,7 @@ import tracemalloc
 import pytest
 
 from raylastic.actors.controller.run_log import RunLog
+from raylastic.actors.status.worker import StepResult
 
 
 def _report(log: RunLog, step: int, rank: int, *, generation: int = 0, world_size: int = 2, loss_sum: float,
@@ -28,6 +29,22 @@ def test_a_row_sums_every_ranks_part_and_keeps_the_lowest_ranks_timings():
     assert row["bytes_sent"] == 200 and row["uncompressed_bytes"] == 400 and row["world_size"] == 2
     assert row["time_s"] == pytest.approx(1.0, abs=1e-3)
     assert log.history() == [row]
+
+
+def test_a_row_from_step_results_shows_the_lowest_ranks_columns_and_every_ranks_sums():
+    log = RunLog()
+    results = {rank: StepResult(step=1, loss_sum=float(rank + 1), samples=2 + rank, duration_s=0.02 + rank,
+                                finished_at=log.started + 1 + rank, bytes_sent=10, uncompressed_bytes=40,
+                                comm_s=0.0012345 * (rank + 1), exposed_comm_s=0.0004, skipped=rank == 0,
+                                lr=0.1 * (rank + 1), grad_norm=1.23456789, compute_s=0.01 * (rank + 1),
+                                link_delay_s=0.003 * rank)
+               for rank in (0, 1)}
+    assert log.add_result(results[1], generation=0, rank=1, world_size=2) is None
+    row = log.add_result(results[0], generation=0, rank=0, world_size=2)
+    assert row == {"step": 1, "time_s": 1.0, "loss": 3.0 / 5, "samples": 5, "samples_per_s": 250.0, "world_size": 2,
+                   "step_s": 0.02, "lr": 0.1, "grad_norm": 1.234568, "comm_s": 0.00123, "exposed_comm_s": 0.0004,
+                   "skipped": True, "bytes_sent": 20, "uncompressed_bytes": 80, "shares": [2, 3],
+                   "compute_s": [0.01, 0.02]}
 
 
 def test_a_step_one_of_several_training_workers_reports_is_complete_at_once_and_shows_them_all():

@@ -22,8 +22,11 @@ if TYPE_CHECKING:
     from raylastic.actors.status.worker import StepResult
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _RankReport:
+    """Not frozen: a Controller makes one for every rank every step, and a frozen dataclass takes five times as long
+    to make."""
+
     finished_at: float
     loss_sum: float
     samples: int
@@ -31,7 +34,8 @@ class _RankReport:
     compute_s: float
     bytes_sent: int
     uncompressed_bytes: int
-    timings: dict[str, Any]
+    timings: dict[str, Any] | StepResult
+    """The row's other columns, or the StepResult to read them from if this rank's are the ones the row shows."""
 
 
 @dataclass
@@ -111,14 +115,19 @@ class RunLog:
         it (every rank of the generation heard; ``reporting``: how many ranks report it, when not all of the
         ``world_size`` that trained do, as under async_ps, where one worker reports an update). A step redone in
         a later generation replaces the discarded attempt."""
+        return self._add_report(step, _RankReport(finished_at, loss_sum, samples, step_s, compute_s, bytes_sent,
+                                                  uncompressed_bytes, timings),
+                                generation=generation, rank=rank, world_size=world_size, reporting=reporting)
+
+    def _add_report(self, step: int, report: _RankReport, *, generation: int, rank: int, world_size: int,
+                    reporting: int | None = None) -> dict[str, Any] | None:
         with self._lock:
             reports = self._steps.get(step)
             if reports is None:
                 self._history_order.append(step)
             if reports is None or reports.generation != generation:
                 reports = self._steps[step] = _StepReports(generation, world_size, reporting or world_size)
-            reports.by_rank[rank] = _RankReport(finished_at, loss_sum, samples, step_s, compute_s, bytes_sent,
-                                                uncompressed_bytes, timings)
+            reports.by_rank[rank] = report
             if len(reports.by_rank) == reports.reporting:
                 reports.row = self._row(step, reports)
                 reports.by_rank.clear()  # the row has it all: a long run of many workers keeps a row a step
@@ -127,18 +136,11 @@ class RunLog:
     def add_result(self, result: StepResult, *, generation: int, rank: int, world_size: int) -> dict[str, Any] | None:
         """``rank``'s StepResult: its report of the step (``add_step``) and, when recorded, the step's samples
         (``add_samples``). Returns the step's row when this report completes it."""
-        timings = {} if result.comm_s is None else {"comm_s": round(result.comm_s, 5),
-                                                    "exposed_comm_s": round(result.exposed_comm_s, 5)}
-        if result.link_delay_s:
-            timings["link_delay_s"] = round(result.link_delay_s, 5)
-        if result.skipped:
-            timings["skipped"] = True
         if result.sample_ids is not None:
             self.add_samples(result.step, result.sample_ids, generation=generation, rank=rank)
-        return self.add_step(result.step, result.finished_at, generation=generation, rank=rank, world_size=world_size,
-                             loss_sum=result.loss_sum, samples=result.samples, step_s=result.duration_s,
-                             bytes_sent=result.bytes_sent, uncompressed_bytes=result.uncompressed_bytes,
-                             compute_s=result.compute_s, lr=result.lr, grad_norm=round(result.grad_norm, 6), **timings)
+        report = _RankReport(result.finished_at, result.loss_sum, result.samples, result.duration_s, result.compute_s,
+                             result.bytes_sent, result.uncompressed_bytes, result)
+        return self._add_report(result.step, report, generation=generation, rank=rank, world_size=world_size)
 
     def close_generation(self, generation: int) -> None:
         """The generation ended: its steps that some rank never reported get rows of what came in. A step heard
@@ -159,13 +161,14 @@ class RunLog:
         first), the lowest rank's timings, the step's traffic summed over the ranks, and each rank's share of
         the samples and compute time, in rank order."""
         ranks = [reports.by_rank[rank] for rank in sorted(reports.by_rank)]
-        lowest = reports.by_rank[min(reports.by_rank)]
+        lowest = ranks[0]
+        timings = lowest.timings if isinstance(lowest.timings, dict) else _timings(lowest.timings)
         samples = sum(r.samples for r in ranks)
         return {"step": step, "time_s": round(lowest.finished_at - self.started, 4),
                 "loss": sum(r.loss_sum for r in ranks) / samples, "samples": samples,
                 "samples_per_s": round(samples / lowest.step_s, 2), "world_size": reports.world_size,
                 **({"layout": self._layouts[reports.generation]} if reports.generation in self._layouts else {}),
-                "step_s": round(lowest.step_s, 5), **lowest.timings,
+                "step_s": round(lowest.step_s, 5), **timings,
                 "bytes_sent": sum(r.bytes_sent for r in ranks),
                 "uncompressed_bytes": sum(r.uncompressed_bytes for r in ranks),
                 "shares": [r.samples for r in ranks], "compute_s": [round(r.compute_s, 5) for r in ranks]}
@@ -235,3 +238,15 @@ class RunLog:
                     break
                 rows.append(row)
             return rows
+
+
+def _timings(result: StepResult) -> dict[str, Any]:
+    """A StepResult's columns of the history row besides the summed ones."""
+    timings: dict[str, Any] = {"lr": result.lr, "grad_norm": round(result.grad_norm, 6)}
+    if result.comm_s is not None:
+        timings |= {"comm_s": round(result.comm_s, 5), "exposed_comm_s": round(result.exposed_comm_s, 5)}
+    if result.link_delay_s:
+        timings["link_delay_s"] = round(result.link_delay_s, 5)
+    if result.skipped:
+        timings["skipped"] = True
+    return timings
