@@ -19,6 +19,7 @@ from raylastic.actors.async_ps.server import ParameterServer, ServerFailed, Serv
 from raylastic.actors.async_ps.shards import assign_parameters
 from raylastic.actors.async_ps.tickets import TicketBook
 from raylastic.actors.data.order import GlobalSampleOrder
+from raylastic.actors.status.run import RunFailed
 from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_factory, set_learning_rate
 from raylastic.cluster.job import RunStopped, train
 from raylastic.jobconfig import OptimConfig, TrainingConfig, WorkloadConfig, load_job_config
@@ -239,6 +240,17 @@ def test_an_async_run_asked_to_stop_ends_stopped_with_its_servers_and_workers_go
         time.sleep(0.2)
 
 
+@pytest.mark.usefixtures("ray_local")
+def test_an_async_run_fails_when_min_workers_never_ask_for_a_step(tmp_path):
+    """One worker alone would take every step: the run waits for min_workers, up to placement_timeout_s."""
+    with pytest.raises(RunFailed, match=r"only 1 of scaling.min_workers=2 workers asked for a step within "
+                                        r"scaling.placement_timeout_s=10.0s \(each needs 2.0 CPU"):
+        train(job("strategy.name=async_ps", "strategy.server_cpus=0.5", "scaling.cpus_per_worker=2",
+                  "scaling.placement_timeout_s=10", name="ps-short"), run_dir=tmp_path)  # 4 CPUs: one worker fits
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["status"] == "failed" and saved["final_step"] == 0
+
+
 def replay(config, rows: list[dict]) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The updates of an async run's history, in one process: update k's gradient is taken on its ticket's
     batch at the parameters the server served from version k - 1 - staleness (extrapolated by weight
@@ -283,9 +295,12 @@ def test_async_updates_are_the_replayed_stale_and_predicted_gradients(tmp_path):
     run's model. With one worker every gradient is fresh, nothing is extrapolated, and the run is DDP's, its batches
     fetched by data.num_workers loader processes or not."""
     settings = ("training.steps=40", "strategy.name=async_ps", "strategy.server_cpus=0.5", "optim.name=adamw")
-    config = job(*settings, "scaling.max_workers=3", "faults=[{action: throttle, rank: 2, step: 1, factor: 3.0}]",
+    config = job(*settings, "scaling.min_workers=3", "scaling.max_workers=3",
+                 "faults=[{action: throttle, rank: 2, step: 1, factor: 3.0}]",
                  name="ps-replay")  # the slow worker's gradients are stale
     result = train(config, run_dir=tmp_path / "three")
+    ready = next(e for e in result.events if e.type == "workers_ready")  # all three before the first step
+    assert ready.step == 0 and len(ready.details["workers"]) == 3
     assert result.final_step == 40 and any(row["staleness"] > 0 for row in result.history)
     replayed, losses = replay(config, result.history)
     assert_states_close(load_model(tmp_path / "three"), replayed)

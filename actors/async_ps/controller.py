@@ -31,7 +31,7 @@ from raylastic.actors.async_ps.leases import Lease, StepReport
 from raylastic.actors.async_ps.server import UnreadableCheckpoint
 from raylastic.actors.async_ps.server_group import ServerGroup, ServersLost, first_line
 from raylastic.actors.async_ps.shards import assign_parameters
-from raylastic.actors.async_ps.states import AsyncRunState, RestoringServers, Training
+from raylastic.actors.async_ps.states import AsyncRunState, RestoringServers, StartingWorkers, Training
 from raylastic.actors.async_ps.tickets import TicketBook
 from raylastic.actors.async_ps.worker_pool import WorkerPool, reserved_bundle
 from raylastic.actors.controller.policies import FailurePolicy, Raise
@@ -77,8 +77,8 @@ class AsyncController:
         """The version at which old checkpoints were last pruned."""
         self.rejected: set[Cut] = set()
         """Cuts a server could not load."""
-        self._actions = {Placing: self._place, Training: self._train, RestoringServers: self._restore,
-                         Finishing: self._finish}
+        self._actions = {Placing: self._place, StartingWorkers: self._start_training, Training: self._train,
+                         RestoringServers: self._restore, Finishing: self._finish}
 
     # -- the driver's API ------------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -99,7 +99,7 @@ class AsyncController:
         before its next pass; servers lost in any state lead to restoring them."""
         state = self.state
         try:
-            if self.stop_requested and isinstance(state, Training):
+            if self.stop_requested and isinstance(state, StartingWorkers | Training):
                 following = Stopped()
             else:
                 following = self._actions[type(state)](state)
@@ -185,7 +185,22 @@ class AsyncController:
             self.log.event("resumed", self.book.steps_applied, path=cut.directory, version=cut.version)
         for index in range(job.scaling.max_workers):
             self.pool.start(index)
-        return Training()
+        return StartingWorkers(deadline=time.monotonic() + job.scaling.placement_timeout_s)
+
+    def _start_training(self, state: StartingWorkers) -> AsyncRunState:
+        """One supervising pass (a worker that dies starting is replaced); training once min_workers asked."""
+        self._supervise()
+        scaling = self.job.scaling
+        if len(self.pool.working) >= scaling.min_workers:
+            self.log.event("workers_ready", self.book.steps_applied, workers=sorted(self.pool.working))
+            return Training()
+        if time.monotonic() >= state.deadline:
+            needs = [f"{scaling.cpus_per_worker} CPU"] + ["1 GPU"] * scaling.use_gpu + [
+                f"{amount} {name}" for name, amount in scaling.resources_per_worker.items()]
+            return Failed(f"only {len(self.pool.working)} of scaling.min_workers={scaling.min_workers} workers asked "
+                          f"for a step within scaling.placement_timeout_s={scaling.placement_timeout_s}s (each needs "
+                          f"{', '.join(needs)} where Ray can place it){self._note()}")
+        return state
 
     def _train(self, state: Training) -> AsyncRunState:
         """One supervising pass; finishing once every step is applied and every server has caught up."""

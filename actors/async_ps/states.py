@@ -1,10 +1,11 @@
 """The states of an asynchronous run, in the synchronous Controller's shape (actors/controller/states.py): the
 AsyncController moves from one to the next (``AsyncController.advance``)::
 
-    placing -> running -> finishing -> finished
-                 ^  |        |
-                 |  v        v
-        restoring_servers <--+        (a server lost in any state; every server back to the newest whole cut)
+    placing -> waiting_for_workers -> running -> finishing -> finished
+                                        ^  |        |
+                                        |  v        v
+                               restoring_servers <--+   (a server lost in any state; every server back to the
+                                                         newest whole cut)
 
     any state -> failed (an error of the job or of a server, too many failures)
     running -> stopped (the user asked)
@@ -19,6 +20,17 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from raylastic.actors.controller.states import Failed, Finished, Finishing, Placing, Stopped
+
+
+@dataclass(frozen=True)
+class StartingWorkers:
+    """The workers start; no step is leased until scaling.min_workers of them have asked for one (one alone would
+    take every step until the others are up, seconds on a busy machine), or the run fails at the deadline."""
+
+    name: ClassVar[str] = "waiting_for_workers"
+
+    deadline: float
+    """``time.monotonic()`` by which they must have asked (scaling.placement_timeout_s after they were started)."""
 
 
 @dataclass(frozen=True)
@@ -39,4 +51,4 @@ class RestoringServers:
     """(server index, why it was lost)."""
 
 
-AsyncRunState = Placing | Training | RestoringServers | Finishing | Finished | Failed | Stopped
+AsyncRunState = Placing | StartingWorkers | Training | RestoringServers | Finishing | Finished | Failed | Stopped
