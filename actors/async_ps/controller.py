@@ -191,6 +191,8 @@ class AsyncController:
         """One supervising pass (a worker that dies starting is replaced); training once min_workers asked."""
         self._supervise()
         scaling = self.job.scaling
+        if self.book.done:  # resumed from its last step: the workers are told so and leave
+            return Training()
         if len(self.pool.working) >= scaling.min_workers:
             self.log.event("workers_ready", self.book.steps_applied, workers=sorted(self.pool.working))
             return Training()
