@@ -8,7 +8,7 @@ AsyncController moves from one to the next (``AsyncController.advance``)::
                                                          newest whole cut)
 
     any state -> failed (an error of the job or of a server, too many failures)
-    running -> stopped (the user asked)
+    waiting_for_workers, running -> stopped (the user asked)
     running -> running: one supervising pass (workers that ended, heartbeats, hung steps, evaluation)
 
 Placing, Finishing and the terminal states are the synchronous run's own.
