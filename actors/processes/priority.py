@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def run_at_normal_priority(role: str = "training worker") -> str | None:
         return None
     try:
         for thread_id in _thread_ids():
-            os.setpriority(os.PRIO_PROCESS, thread_id, NORMAL_NICENESS)
+            with contextlib.suppress(ProcessLookupError):  # the thread ended since it was listed
+                os.setpriority(os.PRIO_PROCESS, thread_id, NORMAL_NICENESS)
     except PermissionError:
         return (f"this {role} runs at niceness {current} (Ray's worker_niceness) and may not lower it (needs root "
                 "or CAP_SYS_NICE): the ranks and Ray's own processes can take its core first. Start "
