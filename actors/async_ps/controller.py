@@ -197,11 +197,9 @@ class AsyncController:
             self.log.event("workers_ready", self.book.steps_applied, workers=sorted(self.pool.working))
             return Training()
         if time.monotonic() >= state.deadline:
-            needs = [f"{scaling.cpus_per_worker} CPU"] + ["1 GPU"] * scaling.use_gpu + [
-                f"{amount} {name}" for name, amount in scaling.resources_per_worker.items()]
             return Failed(f"only {len(self.pool.working)} of scaling.min_workers={scaling.min_workers} workers asked "
                           f"for a step within scaling.placement_timeout_s={scaling.placement_timeout_s}s (each needs "
-                          f"{', '.join(needs)} where Ray can place it){self._note()}")
+                          f"{self.pool.needs()} where Ray can place it){self._note()}")
         return state
 
     def _train(self, state: Training) -> AsyncRunState:

@@ -54,6 +54,12 @@ class WorkerPool:
         self.workers[name] = (index, actor, actor.run.remote())
         return name
 
+    def needs(self) -> str:
+        """What Ray must find for one worker, as ``start`` asks for it (e.g. "0.5 CPU, 1 GPU")."""
+        scaling = self.job.scaling
+        return ", ".join([f"{scaling.cpus_per_worker} CPU"] + ["1 GPU"] * scaling.use_gpu
+                         + [f"{amount} {name}" for name, amount in scaling.resources_per_worker.items()])
+
     def runs(self) -> dict[Any, str]:
         """Each worker's ``run`` ref -> its name."""
         return {ref: name for name, (_, _, ref) in self.workers.items()}
