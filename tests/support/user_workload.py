@@ -89,6 +89,15 @@ class DropoutDigits:
         return self.digits.evaluate(model)
 
 
+class SmoothDigits(Digits):
+    """The digits MLP with tanh for ReLU: no kink for another sum order's float noise to turn into a visible step,
+    so a run whose ranks sum each gradient in other orders stays within float noise of one rank's training."""
+
+    def build_model(self) -> torch.nn.Module:
+        model = super().build_model()
+        return torch.nn.Sequential(*(torch.nn.Tanh() if isinstance(m, torch.nn.ReLU) else m for m in model))
+
+
 class PickleFreeDigits(Digits):
     """The digits workload in processes where torch's object collectives (which unpickle what a peer sent) raise
     unless DCP calls them (its save and load plans travel as pickles, torch's own): a run of it shows that our
