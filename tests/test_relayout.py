@@ -154,7 +154,9 @@ def test_a_drained_worker_of_a_pp2_tp2_run_hands_its_part_over_in_memory(tmp_pat
     spare's. No checkpoint is written or read, no step is lost, and the run ends with an undisturbed run's
     parameters."""
     steps, name = 10, "pp-tp-drain"
-    options = TINY_GPT_OPTIONS[:-1] + ", pause_s: 0.05, full_pause_s: 0.05}"  # the drain comes mid-run
+    # The drain comes mid-run: asked when the driver's progress (polled once a second, its step a poll behind the
+    # workers') shows step 3, it must land at a step boundary before step 10, so a step takes >= 0.4 s until then.
+    options = TINY_GPT_OPTIONS[:-1] + ", pause_s: 0.05, full_pause_s: 0.2}"
     disturbed = job("workload.name=tests.support.user_workload:CharGPTSlowWhileSmall", options, "parallel.pp=2",
                     "parallel.tp=2", "strategy.name=zero3", "strategy.buddy_copy=false", "scaling.min_workers=1",
                     "scaling.max_workers=4", f"training.steps={steps}", "training.global_batch_size=8",
