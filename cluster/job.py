@@ -83,7 +83,7 @@ def train(job: JobConfig, *, run_dir: str | Path | None = None, address: str | N
     after it. Only from the main thread; ``raylastic train`` sets it, a notebook or a Tune trial need not.
     """
     # a bad import path, or a workload that cannot split its model, fails here, before any actor starts
-    check_workload(job.workload.name, job.parallel.tp, job.parallel.pp)
+    check_workload(job.workload.name, job.parallel.tp, job.parallel.pp, job.eval.every_steps)
     run_dir = Path(run_dir or Path("runs") / job.name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_root = job.checkpoint.path or default_checkpoint_root(run_dir)

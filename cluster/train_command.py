@@ -30,7 +30,7 @@ def load_job_or_report(args: argparse.Namespace, console: Console):
         job = job_from_arguments(args, *(["training.profile_steps=5"] if args.profile else []))
         from raylastic.workloads import check_workload  # imports torch: after the config's own checks
 
-        check_workload(job.workload.name, job.parallel.tp, job.parallel.pp)
+        check_workload(job.workload.name, job.parallel.tp, job.parallel.pp, job.eval.every_steps)
         return job
     except ValueError as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)

@@ -142,7 +142,24 @@ def test_a_workload_without_parallelize_or_pipeline_stages_and_a_gpt_that_does_n
         check_workload("digits", tp=2)
     with pytest.raises(ValueError, match=r"no pipeline_split\(model, stage, num_stages\) and no pipeline_loss"):
         check_workload("digits", pp=2)
-    check_workload("chargpt", tp=2, pp=2)
+    check_workload("chargpt", tp=2, pp=2, eval_every_steps=25)
+
+
+class PipelinedWithEvaluateOnly:
+    """A workload that splits into pipeline stages and evaluates with ``evaluate(model)`` alone (only what it
+    defines matters to check_workload)."""
+
+    build_model = train_dataset = training_step = evaluate = pipeline_split = pipeline_loss = None
+
+
+def test_a_periodic_evaluation_through_a_pipeline_without_an_eval_dataset_is_refused_naming_the_fields():
+    workload = "tests.test_tensor_parallel:PipelinedWithEvaluateOnly"
+    with pytest.raises(ValueError, match=r"eval.every_steps=25 with parallel.pp=2 needs the workload's "
+                                         r"eval_dataset\(\) and eval_step\(\).*PipelinedWithEvaluateOnly.* has no "
+                                         r"eval_dataset.*or set eval.every_steps=0"):
+        check_workload(workload, pp=2, eval_every_steps=25)
+    check_workload(workload, pp=2)  # no periodic evaluation: a pipeline's end has no metrics, and says so
+    check_workload(workload, eval_every_steps=25)  # one process holds the whole model for evaluate()
     model = GPT(n_layer=1, n_head=3, n_embd=12, block_size=8)
     assert "parallel.tp=2 must divide the GPT's workload.options.n_head (3)" in tensor_parallel_rule(model, 2)
     assert tensor_parallel_rule(model, 1) is None

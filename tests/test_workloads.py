@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.workloads import load_workload
 from raylastic.workloads.chargpt import CharGPT
 from raylastic.workloads.digits import Digits, read_digits, stratified_split
@@ -115,19 +116,31 @@ def test_chargpt_shapes_and_initial_loss():
     assert logits.shape == (4, 32, 256)
     mean_loss = workload.training_step(model, (x[:4], y[:4])).item()
     assert abs(mean_loss - math.log(256)) < 0.5
-    metrics = workload.evaluate(model)
+    metrics = evaluated(workload, model)
     assert abs(metrics["eval_loss"] - math.log(256)) < 0.5
     assert metrics["bits_per_byte"] == pytest.approx(metrics["eval_loss"] / math.log(2))
+
+
+def test_chargpt_eval_loss_is_the_mean_next_byte_loss_over_its_held_out_windows_in_any_batch_size():
+    workload = CharGPT(**SMALL_GPT)
+    torch.manual_seed(0)
+    model = workload.build_model()
+    inputs, targets = workload.eval_dataset().tensors
+    assert len(inputs) == 64 and torch.equal(inputs[:, 1:], targets[:, :-1])
+    with torch.no_grad():
+        every_byte = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).item()
+    for batch_size in (64, 5):  # 5: the last batch holds 4 windows
+        assert evaluated(workload, model, batch_size)["eval_loss"] == pytest.approx(every_byte, rel=1e-5)
 
 
 def test_chargpt_adam_steps_decrease_loss():
     workload = CharGPT(**SMALL_GPT)
     torch.manual_seed(0)
     model = workload.build_model()
-    before = workload.evaluate(model)["eval_loss"]
+    before = evaluated(workload, model)["eval_loss"]
     losses = _adam_steps(workload, model, 20, batch_size=16, lr=3e-3)
     assert losses[-1] < losses[0] - 1.0
-    assert workload.evaluate(model)["eval_loss"] < before - 1.0
+    assert evaluated(workload, model)["eval_loss"] < before - 1.0
     assert model.training
 
 
@@ -207,3 +220,8 @@ def test_a_workload_constructor_that_raises_is_named_with_its_error(tmp_path, mo
     with pytest.raises(ValueError, match=r"workload 'needs_data:NeedsData': constructing NeedsData\(\*\*\{\}\) "
                                          r"raised FileNotFoundError: /data/train.bin \(.*needs_data.py:5\)"):
         load_workload("needs_data:NeedsData")
+
+
+def evaluated(workload, model: torch.nn.Module, batch_size: int = 64) -> dict[str, float]:
+    """The metrics a run reports for ``model`` (one process): the workload's evaluate and eval_dataset's."""
+    return Evaluator(workload, batch_size=batch_size, device=torch.device("cpu")).run(model)

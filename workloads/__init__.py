@@ -46,9 +46,10 @@ def resolve_workload_class(name: str) -> type:
     return cls
 
 
-def check_workload(name: str, tp: int = 1, pp: int = 1) -> None:
+def check_workload(name: str, tp: int = 1, pp: int = 1, eval_every_steps: int = 0) -> None:
     """What can be checked of workload ``name`` without building it: its class resolves (``resolve_workload_class``)
-    and has the methods that tensor (``tp`` > 1) and pipeline (``pp`` > 1) parallelism need."""
+    and has the methods that tensor (``tp`` > 1) and pipeline (``pp`` > 1) parallelism need, and that evaluating
+    through a pipeline every ``eval_every_steps`` needs."""
     cls = resolve_workload_class(name)
     needed = {"parallelize(model, tp_mesh)": tp > 1, "pipeline_split(model, stage, num_stages)": pp > 1,
               "pipeline_loss(output, target)": pp > 1}
@@ -57,6 +58,11 @@ def check_workload(name: str, tp: int = 1, pp: int = 1) -> None:
         raise ValueError(f"parallel.tp={tp}, parallel.pp={pp} needs the workload to split its model: "
                          f"workload.name={name!r} ({cls.__name__}) has no {' and no '.join(missing)} "
                          "(see workloads/protocol.py)")
+    if pp > 1 and eval_every_steps and not hasattr(cls, "eval_dataset"):
+        raise ValueError(f"eval.every_steps={eval_every_steps} with parallel.pp={pp} needs the workload's "
+                         f"eval_dataset() and eval_step(), which evaluation runs through the pipeline (no rank holds "
+                         f"the whole model for evaluate()): workload.name={name!r} ({cls.__name__}) has no "
+                         "eval_dataset (see workloads/protocol.py); or set eval.every_steps=0")
 
 
 def load_workload(name: str, options: dict | None = None) -> Workload:

@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 from raylastic.workloads.gpt_splits import GPTSplits
 
 VOCAB_SIZE = 256  # one token per byte
-EVAL_WINDOWS = 64  # held-out windows scored by ``evaluate``
+EVAL_WINDOWS = 64  # held-out windows in ``eval_dataset``
 
 
 def load_stdlib_corpus(num_chars: int) -> bytes:
@@ -141,7 +141,7 @@ class CharGPT(GPTSplits):
     Options (``workload.options``):
         n_layer, n_head, n_embd, block_size: model shape; ``n_embd`` must be divisible by ``n_head``.
         corpus_chars: characters of stdlib source to use (the default is ~400 KB).
-        test_fraction: trailing share of the corpus held out for ``evaluate``, in (0, 1).
+        test_fraction: trailing share of the corpus held out for ``eval_dataset``, in (0, 1).
         tie_embeddings: the lm head is the token embedding (default), or a matrix of its own (pipeline stages).
 
     Training samples are non-overlapping windows of ``block_size + 1`` bytes from the leading
@@ -200,19 +200,18 @@ class CharGPT(GPTSplits):
         inputs, targets = batch
         return self.pipeline_loss(model(inputs), targets)
 
-    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        """Mean per-token ``eval_loss`` on up to 64 held-out windows, and ``bits_per_byte``."""
-        windows = self._eval_windows.to(next(model.parameters()).device)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                logits = model(windows[:, :-1])
-                targets = windows[:, 1:].to(logits.device)  # under strategy.offload the parameters wait on the CPU
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item()
-        finally:
-            model.train(was_training)
-        return {"eval_loss": loss, "bits_per_byte": loss / math.log(2)}
+    def eval_dataset(self) -> TensorDataset:
+        """Up to 64 held-out windows: inputs and next-byte targets, both ``int64[N, block_size]``."""
+        return TensorDataset(self._eval_windows[:, :-1], self._eval_windows[:, 1:])
+
+    def eval_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Sums over the batch's windows of each one's mean next-byte ``eval_loss`` and ``bits_per_byte``; Raylastic
+        spreads the windows over the ranks (through a pipeline too) and divides by the number evaluated."""
+        inputs, targets = batch
+        logits = model(inputs)
+        token_losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        loss_sum = token_losses.view(targets.shape).mean(dim=1).sum()
+        return {"eval_loss": loss_sum, "bits_per_byte": loss_sum / math.log(2)}
 
 
 def _windows(data: torch.Tensor, length: int) -> torch.Tensor:

@@ -52,14 +52,14 @@ class Evaluator:
 
     def run(self, model: torch.nn.Module) -> dict[str, float]:
         """The workload's ``evaluate(model)`` and the distributed ``eval_step`` metrics, in eval mode; through a
-        pipeline, ``eval_loss`` (``_pipeline_step``)."""
+        pipeline, ``eval_loss`` (``_through_pipeline``)."""
         was_training = model.training
         model.eval()
         place = DataPlace.in_group(self.layout) if dist.is_initialized() else DataPlace(rank=0, ranks=1)
         try:
             with torch.no_grad(), self.autocast(), place.loss_context():
                 if self.pipeline is not None:
-                    return self._distributed(self._pipeline_step, place) if self.dataset is not None else {}
+                    return self._through_pipeline(place)
                 metrics = dict(self.workload.evaluate(model)) if hasattr(self.workload, "evaluate") else {}
                 if self.dataset is not None:
                     metrics.update(self._distributed(functools.partial(self.workload.eval_step, model), place))
@@ -67,14 +67,19 @@ class Evaluator:
             model.train(was_training)
         return metrics
 
-    def _pipeline_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
-        """``eval_step`` through a pipeline, where no rank holds the whole model for the workload's: the sum of the
-        samples' ``pipeline_loss`` (its mean over the samples is the ``eval_loss``)."""
+    def _through_pipeline(self, place: DataPlace) -> dict[str, float]:
+        """No rank holds the whole model for the workload's ``evaluate`` or ``eval_step``: ``eval_loss``, the mean of
+        the samples' ``pipeline_loss`` over ``eval_dataset`` (none without one; check_workload refuses a periodic
+        evaluation then)."""
         if not self._warned:
             self._warned = True
             logger.warning("evaluation through a pipeline (parallel.pp > 1) is eval_loss, the mean of the workload's "
-                           "pipeline_loss over its eval_dataset; evaluate() and eval_step() need the whole model and "
-                           "are not run")
+                           "pipeline_loss over its eval_dataset%s; evaluate() and eval_step() need the whole model and "
+                           "are not run", "" if self.dataset is not None else " (it has none: no metrics)")
+        return self._distributed(self._pipeline_step, place) if self.dataset is not None else {}
+
+    def _pipeline_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+        """The sum of the batch's samples' ``pipeline_loss``."""
         return {"eval_loss": sum(self.pipeline.evaluate(*batch))}
 
     def _distributed(self, eval_step: Callable[[Any], dict[str, torch.Tensor | float]],

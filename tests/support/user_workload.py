@@ -127,13 +127,14 @@ class PickleFreeDigits(Digits):
 class CharGPTSlowWhileSmall(CharGPT):
     """chargpt whose pipeline's last stage pauses ``pause_s`` per micro-batch while its generation has fewer than
     ``full_world`` ranks, so that a test sees a run that shrank grow back before it ends, and ``full_pause_s`` at
-    ``full_world`` or more, so that a notice or a drain lands mid-run (one process, no pipeline: no pause)."""
+    ``full_world`` or more, so that a notice or a drain lands mid-run (one process, no pipeline, or evaluation:
+    no pause)."""
 
     def __init__(self, *, pause_s: float = 0.1, full_pause_s: float = 0.0, full_world: int = 4, **options) -> None:
         super().__init__(**options)
         self.pause_s, self.full_pause_s, self.full_world = pause_s, full_pause_s, full_world
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized():
+        if dist.is_initialized() and torch.is_grad_enabled():
             time.sleep(self.pause_s if dist.get_world_size() < self.full_world else self.full_pause_s)
         return super().pipeline_loss(output, target)
