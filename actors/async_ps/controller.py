@@ -30,7 +30,7 @@ from raylastic.actors.async_ps.heartbeats import Heartbeats
 from raylastic.actors.async_ps.leases import Lease, StepReport
 from raylastic.actors.async_ps.server import UnreadableCheckpoint
 from raylastic.actors.async_ps.server_group import ServerGroup, ServersLost, first_line
-from raylastic.actors.async_ps.shards import assign_parameters
+from raylastic.actors.async_ps.shards import assign_parameters, model_from_shares
 from raylastic.actors.async_ps.states import AsyncRunState, RestoringServers, StartingWorkers, Training
 from raylastic.actors.async_ps.tickets import TicketBook
 from raylastic.actors.async_ps.worker_pool import WorkerPool, reserved_bundle
@@ -349,9 +349,7 @@ class AsyncController:
     # -- evaluating and finishing ---------------------------------------------------------------------------
     def _model(self) -> torch.nn.Module:
         """The servers' parameters and buffers now, in a model built here."""
-        model = self.workload.build_model()
-        model.load_state_dict(self.group.state())
-        return model
+        return model_from_shares(self.workload, self.group.state())
 
     def _evaluate_when_due(self) -> None:
         every = self.job.eval.every_steps

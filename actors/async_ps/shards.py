@@ -1,4 +1,5 @@
-"""Which parameter server holds which parameter: largest first onto the least loaded server.
+"""Which parameter server holds which parameter (largest first onto the least loaded server), and the model their
+shares make.
 
 Example::
 
@@ -6,6 +7,12 @@ Example::
 """
 
 from __future__ import annotations
+
+import itertools
+
+import torch
+
+from raylastic.workloads.protocol import Workload
 
 
 def assign_parameters(sizes: dict[str, int], num_servers: int) -> list[list[str]]:
@@ -17,3 +24,14 @@ def assign_parameters(sizes: dict[str, int], num_servers: int) -> list[list[str]
         shards[least].append(name)
         loads[least] += sizes[name]
     return shards
+
+
+def model_from_shares(workload: Workload, shares: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A model built by ``workload`` holding ``shares``, the servers' parameters and buffers by the names
+    ``named_parameters`` and ``named_buffers`` give: once each, so a weight tied under two names (an lm head sharing
+    the token embedding's) arrives under its first and reaches the other through the tie."""
+    model = workload.build_model()
+    with torch.no_grad():
+        for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+            tensor.copy_(shares[name])
+    return model
