@@ -12,16 +12,21 @@ def register(commands: argparse._SubParsersAction) -> None:
         "export", help="write a checkpoint's model as a plain state dict",
         description="Read a checkpoint directory (any strategy, any world size) and write the model's full "
         "parameters as one torch.save file: torch.load(OUT, weights_only=True) then model.load_state_dict(...).")
-    parser.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_00000300")
+    parser.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_00000300 "
+                        "(async_ps: ps_00000300)")
     parser.add_argument("output", help="the .pt file to write")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from raylastic.strategies.export import export_model
+    from raylastic.actors.async_ps.checkpoints import cut_in
+    from raylastic.actors.async_ps.server import model_state
+    from raylastic.strategies.export import export_model, load_full_model_state
 
     try:
-        path = export_model(args.checkpoint, args.output)
+        cut = cut_in(args.checkpoint)  # async_ps's servers' files (ps_<version>), or a synchronous run's checkpoint
+        state = model_state(cut) if cut is not None else load_full_model_state(args.checkpoint)
+        path = export_model(state, args.output)
     except (ValueError, OSError) as error:
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {error}", highlight=False)
         return 1

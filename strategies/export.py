@@ -42,9 +42,10 @@ def load_full_model_state(directory: str) -> dict[str, torch.Tensor]:
     return {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in state.items()}
 
 
-def export_model(directory: str, output: str | Path) -> Path:
-    """Write the checkpoint's model as a plain ``torch.save`` state dict at ``output``."""
+def export_model(state: dict[str, torch.Tensor], output: str | Path) -> Path:
+    """Write a checkpoint's model ``state`` (``load_full_model_state``'s) as a plain ``torch.save`` file at
+    ``output``."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(load_full_model_state(directory), output)
+    torch.save(state, output)
     return output

@@ -49,18 +49,37 @@ def server_file(directory: str, index: int, num_servers: int, lineage: str) -> s
 
 def complete_checkpoints(root: str) -> list[Cut]:
     """Every whole cut under ``root``, oldest first (in a directory with several, the newest lineage's)."""
-    found = []
-    for directory, version, names in _directories(root):
-        files: dict[tuple[str, int], set[int]] = {}
-        for name in names:
-            match = _SERVER_FILE.match(name)
-            if match and not match.group(4):
-                files.setdefault((match.group(3) or "", int(match.group(2))), set()).add(int(match.group(1)))
-        whole = [key for key, indices in files.items() if indices == set(range(key[1]))]
-        if whole:
-            lineage, count = max(whole)
-            found.append(Cut(directory, version, lineage, count))
-    return sorted(found, key=lambda cut: cut.version)
+    found = [_whole_cut(directory, version, names) for directory, version, names in _directories(root)]
+    return sorted((cut for cut in found if cut is not None), key=lambda cut: cut.version)
+
+
+def cut_in(directory: str) -> Cut | None:
+    """The whole cut in ``directory`` if it is a ``ps_<version>`` directory (the newest lineage's), else None; a
+    ``ps_<version>`` directory without every server's file of one lineage raises ValueError naming what it holds."""
+    match = _DIRECTORY.match(directory.rstrip("/").rsplit("/", 1)[-1])
+    if match is None:
+        return None
+    fs, path = fsspec.core.url_to_fs(directory)
+    names = [child.rstrip("/").rsplit("/", 1)[-1] for child in fs.ls(path, detail=False)] if fs.isdir(path) else []
+    cut = _whole_cut(directory.rstrip("/"), int(match.group(1)), names)
+    if cut is None:
+        raise ValueError(f"{directory} is not a whole parameter-server checkpoint: it needs server_<i>_of_<n>.<lineage>"
+                         f".pt for every i < n of one lineage, and holds {sorted(names) or 'nothing'}")
+    return cut
+
+
+def _whole_cut(directory: str, version: int, names: list[str]) -> Cut | None:
+    """The cut of ``directory``'s files ``names`` whose every server's file is there (the newest lineage's), if any."""
+    files: dict[tuple[str, int], set[int]] = {}
+    for name in names:
+        match = _SERVER_FILE.match(name)
+        if match and not match.group(4):
+            files.setdefault((match.group(3) or "", int(match.group(2))), set()).add(int(match.group(1)))
+    whole = [key for key, indices in files.items() if indices == set(range(key[1]))]
+    if not whole:
+        return None
+    lineage, count = max(whole)
+    return Cut(directory, version, lineage, count)
 
 
 def newest_complete(root: str, excluding: frozenset[Cut] = frozenset()) -> Cut | None:

@@ -42,6 +42,7 @@ import torch
 from raylastic.actors.async_ps.checkpoints import Cut, checkpoint_dir, server_file
 from raylastic.actors.async_ps.prediction import WeightPredictor
 from raylastic.actors.async_ps.saver import SaveFailure, ServerSaver, Snapshot
+from raylastic.actors.async_ps.shards import tied_names
 from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_factory, set_learning_rate
 from raylastic.jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from raylastic.workloads import load_workload
@@ -266,6 +267,8 @@ class ParameterServer:
                    "params": {n: p.detach().clone() for n, p in self._served().items()},
                    "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                    "prediction": self.predictor.state_dict() if self.predictor else {}}
+        if self.index == 0:
+            payload["tied"] = tied_names(self.model)
         directory = checkpoint_dir(self.spec.checkpoint_root, self.version)
         path = server_file(directory, self.index, self.spec.num_servers, self.lineage)
         self.saver.submit(Snapshot(self.version, path, payload))
@@ -305,6 +308,18 @@ class ParameterServer:
                                         "param_groups": groups})
         if self.predictor:
             self.predictor.load_state_dict({"previous": previous, "expected_staleness": expected_staleness})
+
+
+def model_state(cut: Cut) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers in ``cut``'s files, by their ``state_dict`` names (a tied weight under each
+    of its names), as a plain state dict."""
+    state: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    for name in cut.files():
+        saved = _read(name)
+        state |= {entry.removeprefix("buffer."): tensor for entry, tensor in saved["params"].items()}
+        tied |= saved.get("tied", {})
+    return state | {alias: state[name] for alias, name in tied.items()}
 
 
 def _read(path: str) -> dict[str, Any]:

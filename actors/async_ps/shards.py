@@ -35,3 +35,13 @@ def model_from_shares(workload: Workload, shares: dict[str, torch.Tensor]) -> to
         for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
             tensor.copy_(shares[name])
     return model
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each ``state_dict`` name of a tensor that ``named_parameters`` or ``named_buffers`` gives under another name (a
+    tied lm head), with that name: what a model file needs besides the servers' shares."""
+    first: dict[int, str] = {}
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        first.setdefault(id(tensor), name)
+    return {name: first[id(tensor)] for name, tensor in model.state_dict(keep_vars=True).items()
+            if first.get(id(tensor), name) != name}
