@@ -12,6 +12,7 @@ every step.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ class TensorBoardLog:
 
     def _write_step(self, row: dict[str, Any]) -> None:
         for name in SCALARS:
-            if name in row:
+            if row.get(name) is not None and math.isfinite(row[name]):  # a skipped step's NaN loss draws nothing
                 self.writer.add_scalar(f"train/{name}", row[name], global_step=row["step"])
         self._last_written_s, self._unwritten = row["time_s"], None
 

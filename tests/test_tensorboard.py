@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import struct
 from pathlib import Path
 
@@ -53,3 +55,17 @@ def test_every_step_is_written_when_the_interval_is_zero(tmp_path: Path) -> None
     steps = [e.step for e in read_events(tmp_path / "tensorboard") for v in e.summary.value
              if v.tag == "train/world_size"]
     assert steps == [1, 2, 3, 4, 5]
+
+
+def test_a_skipped_steps_nonfinite_loss_and_norm_are_left_out_without_a_warning(tmp_path: Path, caplog) -> None:
+    """training.on_nonfinite=skip: the step's row keeps its NaN loss and gradient norm (result.json writes null);
+    TensorBoard gets the step's other scalars, and tensorboardX's "NaN or Inf found" warning is not printed."""
+    skipped = row(2, 0.002) | {"loss": math.nan, "grad_norm": math.inf, "skipped": True}
+    log = TensorBoardLog(tmp_path, min_interval_s=0.0)
+    with caplog.at_level(logging.WARNING):
+        log.update(run_status([row(1, 0.001) | {"grad_norm": 0.5}, skipped, row(3, 0.003)], events=[]))
+        log.close()
+    assert not [r for r in caplog.records if "NaN or Inf" in r.getMessage()]
+    written = {(v.tag, e.step) for e in read_events(tmp_path / "tensorboard") for v in e.summary.value}
+    assert {("train/loss", 1), ("train/loss", 3), ("train/grad_norm", 1), ("train/world_size", 2)} <= written
+    assert not {("train/loss", 2), ("train/grad_norm", 2)} & written
