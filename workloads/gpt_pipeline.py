@@ -34,7 +34,7 @@ def split_gpt(model: GPT, stage: int, num_stages: int) -> GPT:
     """``model`` cut in place down to ``stage`` of ``num_stages``; returns it."""
     if model.lm_head.weight is model.wte.weight and num_stages > 1:
         raise ValueError("the GPT's lm head is tied to its token embedding, which a pipeline puts on two stages: "
-                         "build it with tie_embeddings=False")
+                         "set workload.options.tie_embeddings=false for parallel.pp > 1")
     kept = {str(index) for index in stage_blocks(len(model.blocks), stage, num_stages)}
     for key in [key for key in model.blocks if key not in kept]:
         del model.blocks[key]
