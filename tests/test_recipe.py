@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_factory, set_learning_rate
 from raylastic.jobconfig import OptimConfig
 from tests.support.distributed_harness import run_distributed
@@ -178,3 +179,31 @@ def test_distributed_evaluation_matches_single_process(world_size):
 def test_an_eval_set_smaller_than_the_world_is_evaluated_whole():
     for metrics in run_distributed(evaluate_two_samples, 3):
         assert metrics == {"value": 5.5}
+
+
+class TensorMetrics(TinyClassifier):
+    """An ``evaluate`` as users write it: a 0-d tensor (no ``.item()``), a one-element tensor and an int."""
+
+    def __init__(self, extra: object = None) -> None:
+        self.extra = extra
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, object]:
+        features, labels = self.eval_dataset().tensors
+        accuracy = (model(features).argmax(dim=-1) == labels).float().mean()
+        return {"accuracy": accuracy, "one": torch.ones(1), "count": len(labels)} | (
+            {"extra": self.extra} if self.extra is not None else {})
+
+
+def test_evaluate_may_return_tensors_and_ints_and_the_metrics_are_floats():
+    """A 0-d tensor from evaluate() reached the end of a run as a tensor, where the Controller's rounding of the final
+    metrics raised TypeError and failed the finished run."""
+    torch.manual_seed(0)
+    workload = TensorMetrics()
+    model = workload.build_model()
+    metrics = Evaluator(workload, batch_size=8, device=torch.device("cpu")).run(model)
+    assert {name: type(value) for name, value in metrics.items()} == {
+        "accuracy": float, "one": float, "count": float, "eval_loss": float, "correct": float}
+    assert metrics["one"] == 1.0 and metrics["count"] == EVAL_SAMPLES and 0 <= metrics["accuracy"] <= 1
+    with pytest.raises(ValueError, match=r"evaluate\(\) returned extra='high': a metric is a number or a "
+                                         r"one-element tensor"):
+        Evaluator(TensorMetrics(extra="high"), batch_size=8, device=torch.device("cpu")).run(model)

@@ -41,10 +41,10 @@ Optional:
   ``optim.lr`` and ``optim.schedule`` set every group's lr each step (times a group's ``lr_scale``,
   default 1). zero1/zero2/zero3 shard optimizer state by rows, so they take only element-wise
   optimizers (Adam, AdamW, SGD, ...); anything else is refused with an error naming them.
-- ``evaluate(model) -> dict[str, float]``: held-out metrics, run on every rank (under zero3 its
-  forward passes are collective); a classifier returns ``"accuracy"``. Compare outputs with targets on
-  the output's device: under ``strategy.offload`` the parameters wait on the CPU while forward runs on
-  the GPU.
+- ``evaluate(model) -> dict[str, float]``: held-out metrics (numbers, or one-element tensors), run on every
+  rank (under zero3 its forward passes are collective); a classifier returns ``"accuracy"``. Compare outputs
+  with targets on the output's device: under ``strategy.offload`` the parameters wait on the CPU while
+  forward runs on the GPU.
 - ``parallelize(model, tp_mesh)``: required for ``parallel.tp > 1``. Split ``model`` in place over the
   ranks of ``tp_mesh`` (a 1-D DeviceMesh), e.g. with torch's ``parallelize_module`` and a plan of
   ``ColwiseParallel``/``RowwiseParallel`` styles (workloads/gpt_parallel.py is the built-in GPT's). Every

@@ -60,11 +60,22 @@ class Evaluator:
             with torch.no_grad(), self.autocast(), place.loss_context():
                 if self.pipeline is not None:
                     return self._through_pipeline(place)
-                metrics = dict(self.workload.evaluate(model)) if hasattr(self.workload, "evaluate") else {}
+                metrics = self._evaluated(model) if hasattr(self.workload, "evaluate") else {}
                 if self.dataset is not None:
                     metrics.update(self._distributed(functools.partial(self.workload.eval_step, model), place))
         finally:
             model.train(was_training)
+        return metrics
+
+    def _evaluated(self, model: torch.nn.Module) -> dict[str, float]:
+        """The workload's ``evaluate(model)``, each metric a float (a 0-d tensor is what users often return)."""
+        metrics = {}
+        for name, value in self.workload.evaluate(model).items():
+            try:
+                metrics[name] = _number(value)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"the workload's evaluate() returned {name}={value!r}: a metric is a number or a "
+                                 "one-element tensor") from None
         return metrics
 
     def _through_pipeline(self, place: DataPlace) -> dict[str, float]:
