@@ -1,9 +1,10 @@
 """The parameter servers' checkpoints (actors/async_ps/checkpoints.py, saver.py), on real files: whole cuts of one
-lineage only, clearing and pruning only our own files, restores that check what they read, and saves written on
-the saver's thread while the server goes on."""
+lineage only, clearing and pruning only our own files, restores that check what they read, saves written on
+the saver's thread while the server goes on; and the model the servers' shares make, exported from a cut."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -14,6 +15,11 @@ import torch
 
 from raylastic.actors.async_ps.checkpoints import Cut, clear_after, complete_checkpoints, newest_complete, prune
 from raylastic.actors.async_ps.server import ParameterServer, UnreadableCheckpoint
+from raylastic.actors.async_ps.shards import assign_parameters, model_from_shares
+from raylastic.cluster.cli import main as cli_main
+from raylastic.jobconfig import WorkloadConfig
+from raylastic.workloads import load_workload
+from tests.support.helpers import assert_states_close
 from tests.test_async_ps import digits_names, gradients_of, server_spec, wait_written
 
 
@@ -134,3 +140,48 @@ def test_a_failed_save_is_reported_at_the_next_heartbeat_and_the_server_goes_on(
     assert failed[0].error.split(":")[0] in ("FileExistsError", "NotADirectoryError")
     assert server.beat().failed_saves == ()                      # reported once
     assert torch.equal(server.state()["0.weight"], server.params["0.weight"])
+
+
+def test_the_servers_shares_make_a_model_whose_lm_head_shares_the_embeddings_weight(tmp_path):
+    """chargpt ties its lm head to the token embedding: named_parameters, which the shards and the servers follow,
+    names that weight once, and the model built from the servers' shares (evaluations, the final model) gets it
+    under both names."""
+    options = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "corpus_chars": 20000}
+    workload = load_workload("chargpt", options)
+    tied = workload.build_model()
+    sizes = {name: p.numel() for name, p in tied.named_parameters()}
+    assert "lm_head.weight" in tied.state_dict() and "lm_head.weight" not in sizes
+    spec = dataclasses.replace(server_spec(tmp_path, num_servers=2),
+                               workload=WorkloadConfig(name="chargpt", options=options))
+    servers = [ParameterServer(spec, index=i, names=shard) for i, shard in enumerate(assign_parameters(sizes, 2))]
+    for server in servers:
+        server.push(0, 1, 0, gradients_of(server, 0.5), {}, ticket=0)
+    shares = {name.removeprefix("buffer."): t for server in servers for name, t in server.state().items()}
+    model = model_from_shares(workload, shares)
+    assert model.lm_head.weight is model.wte.weight
+    assert_states_close(dict(model.named_parameters()), {name: shares[name] for name in sizes}, rtol=0, atol=0)
+    assert not torch.equal(model.wte.weight, tied.wte.weight)  # the update reached it
+
+
+def test_raylastic_export_writes_a_parameter_server_checkpoint_as_a_model_file_with_its_tied_weights(tmp_path, capsys):
+    options = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "corpus_chars": 20000}
+    workload = load_workload("chargpt", options)
+    sizes = {name: p.numel() for name, p in workload.build_model().named_parameters()}
+    spec = dataclasses.replace(server_spec(tmp_path, num_servers=2, every_steps=1),
+                               workload=WorkloadConfig(name="chargpt", options=options))
+    servers = [ParameterServer(spec, index=i, names=shard) for i, shard in enumerate(assign_parameters(sizes, 2))]
+    for server in servers:
+        server.restore(1, None, "0a")
+        server.push(1, 1, 0, gradients_of(server, 0.5), {}, ticket=0)
+        wait_written(server, 1)
+    cut = newest_complete(str(tmp_path))
+    assert cli_main(["export", cut.directory, str(tmp_path / "model.pt")]) == 0, capsys.readouterr().err
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    model = workload.build_model()
+    model.load_state_dict(exported)  # strict: every name, the tied lm head's too
+    shares = {name.removeprefix("buffer."): t for server in servers for name, t in server.state().items()}
+    assert_states_close(dict(model.named_parameters()), {name: shares[name] for name in sizes}, rtol=0, atol=0)
+
+    os.remove(cut.files()[1])  # a directory missing a server's file is refused, naming what it holds
+    assert cli_main(["export", cut.directory, str(tmp_path / "again.pt")]) == 1
+    assert "is not a whole parameter-server checkpoint" in capsys.readouterr().err.replace("\n", "")
