@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +52,14 @@ def plot_losses(result: dict[str, Any], out: Path, *, metric: str = "eval_loss")
     import matplotlib.pyplot as plt
 
     steps = [row["step"] for row in result["history"]]
-    losses = [row["loss"] for row in result["history"]]
+    losses = [_number(row["loss"]) for row in result["history"]]  # a skipped step's NaN loss: null, a gap
     figure, (loss_axes, size_axes) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True,
                                                   gridspec_kw={"height_ratios": [4, 1]})
     loss_axes.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="training loss (per step)")
     loss_axes.plot(steps, _smoothed(losses), color="tab:blue", label="training loss (smoothed)")
     evaluated = [row for row in result.get("eval_history") or [] if metric in row]
     if evaluated:
-        loss_axes.plot([row["step"] for row in evaluated], [row[metric] for row in evaluated], "o-",
+        loss_axes.plot([row["step"] for row in evaluated], [_number(row[metric]) for row in evaluated], "o-",
                        color="tab:orange", label=f"validation ({metric})")
     failed_at = sorted({event["step"] for event in result.get("events", []) if event["type"] == "worker_failed"})
     for number, step in enumerate(failed_at):
@@ -76,9 +77,16 @@ def plot_losses(result: dict[str, Any], out: Path, *, metric: str = "eval_loss")
     plt.close(figure)
 
 
-def _smoothed(values: list[float]) -> list[float]:
-    smoothed, average = [], values[0]
-    for value in values:
-        average = SMOOTHING * average + (1 - SMOOTHING) * value
+def _smoothed(values: list[float | None]) -> list[float]:
+    """The running average, which a missing or non-finite value (a skipped step's) leaves as it was."""
+    smoothed, average = [], math.nan
+    for value in map(_number, values):
+        if math.isfinite(value):
+            average = value if math.isnan(average) else SMOOTHING * average + (1 - SMOOTHING) * value
         smoothed.append(average)
     return smoothed
+
+
+def _number(value: float | None) -> float:
+    """result.json's number, or NaN where it holds null (a non-finite value)."""
+    return math.nan if value is None else value
