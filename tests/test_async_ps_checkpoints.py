@@ -15,7 +15,7 @@ import torch
 
 from raylastic.actors.async_ps.checkpoints import Cut, clear_after, complete_checkpoints, newest_complete, prune
 from raylastic.actors.async_ps.server import ParameterServer, UnreadableCheckpoint
-from raylastic.actors.async_ps.shards import assign_parameters, model_from_shares
+from raylastic.actors.async_ps.shards import assign_parameters, merged_shares, model_from_shares
 from raylastic.cluster.cli import main as cli_main
 from raylastic.jobconfig import WorkloadConfig
 from raylastic.workloads import load_workload
@@ -156,7 +156,7 @@ def test_the_servers_shares_make_a_model_whose_lm_head_shares_the_embeddings_wei
     servers = [ParameterServer(spec, index=i, names=shard) for i, shard in enumerate(assign_parameters(sizes, 2))]
     for server in servers:
         server.push(0, 1, 0, gradients_of(server, 0.5), {}, ticket=0)
-    shares = {name.removeprefix("buffer."): t for server in servers for name, t in server.state().items()}
+    shares = merged_shares(server.state() for server in servers)
     model = model_from_shares(workload, shares)
     assert model.lm_head.weight is model.wte.weight
     assert_states_close(dict(model.named_parameters()), {name: shares[name] for name in sizes}, rtol=0, atol=0)
@@ -179,7 +179,7 @@ def test_raylastic_export_writes_a_parameter_server_checkpoint_as_a_model_file_w
     exported = torch.load(tmp_path / "model.pt", weights_only=True)
     model = workload.build_model()
     model.load_state_dict(exported)  # strict: every name, the tied lm head's too
-    shares = {name.removeprefix("buffer."): t for server in servers for name, t in server.state().items()}
+    shares = merged_shares(server.state() for server in servers)
     assert_states_close(dict(model.named_parameters()), {name: shares[name] for name in sizes}, rtol=0, atol=0)
 
     os.remove(cut.files()[1])  # a directory missing a server's file is refused, naming what it holds

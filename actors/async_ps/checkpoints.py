@@ -56,11 +56,11 @@ def complete_checkpoints(root: str) -> list[Cut]:
 def cut_in(directory: str) -> Cut | None:
     """The whole cut in ``directory`` if it is a ``ps_<version>`` directory (the newest lineage's), else None; a
     ``ps_<version>`` directory without every server's file of one lineage raises ValueError naming what it holds."""
-    match = _DIRECTORY.match(directory.rstrip("/").rsplit("/", 1)[-1])
+    match = _DIRECTORY.match(_basename(directory))
     if match is None:
         return None
     fs, path = fsspec.core.url_to_fs(directory)
-    names = [child.rstrip("/").rsplit("/", 1)[-1] for child in fs.ls(path, detail=False)] if fs.isdir(path) else []
+    names = [_basename(child) for child in fs.ls(path, detail=False)] if fs.isdir(path) else []
     cut = _whole_cut(directory.rstrip("/"), int(match.group(1)), names)
     if cut is None:
         raise ValueError(f"{directory} is not a whole parameter-server checkpoint: it needs server_<i>_of_<n>.<lineage>"
@@ -122,12 +122,16 @@ def _directories(root: str) -> list[tuple[str, int, list[str]]]:
         return []
     found = []
     for entry in fs.ls(path, detail=True):
-        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        name = _basename(entry["name"])
         match = _DIRECTORY.match(name)
         if match and entry["type"] == "directory":
-            names = [child.rstrip("/").rsplit("/", 1)[-1] for child in fs.ls(entry["name"], detail=False)]
+            names = [_basename(child) for child in fs.ls(entry["name"], detail=False)]
             found.append((f"{root.rstrip('/')}/{name}", int(match.group(1)), names))
     return found
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _clear(directory: str, names: list[str]) -> None:

@@ -42,7 +42,7 @@ import torch
 from raylastic.actors.async_ps.checkpoints import Cut, checkpoint_dir, server_file
 from raylastic.actors.async_ps.prediction import WeightPredictor
 from raylastic.actors.async_ps.saver import SaveFailure, ServerSaver, Snapshot
-from raylastic.actors.async_ps.shards import tied_names
+from raylastic.actors.async_ps.shards import merged_shares, tied_names
 from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_factory, set_learning_rate
 from raylastic.jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from raylastic.workloads import load_workload
@@ -313,12 +313,9 @@ class ParameterServer:
 def model_state(cut: Cut) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers in ``cut``'s files, by their ``state_dict`` names (a tied weight under each
     of its names), as a plain state dict."""
-    state: dict[str, torch.Tensor] = {}
-    tied: dict[str, str] = {}
-    for name in cut.files():
-        saved = _read(name)
-        state |= {entry.removeprefix("buffer."): tensor for entry, tensor in saved["params"].items()}
-        tied |= saved.get("tied", {})
+    saved = [_read(name) for name in cut.files()]
+    state = merged_shares(file["params"] for file in saved)
+    tied = {alias: name for file in saved for alias, name in file.get("tied", {}).items()}
     return state | {alias: state[name] for alias, name in tied.items()}
 
 

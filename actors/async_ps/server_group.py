@@ -35,6 +35,7 @@ from raylastic.actors.async_ps.server import (
     ServerSpec,
     UnreadableCheckpoint,
 )
+from raylastic.actors.async_ps.shards import merged_shares
 from raylastic.actors.processes.setup_hook import TRAINS
 from raylastic.actors.status.run import RunFailed
 from raylastic.jobconfig import JobConfig
@@ -148,10 +149,7 @@ class ServerGroup:
 
     def state(self) -> dict[str, torch.Tensor]:
         """The servers' parameters and buffers now, by their names in the model."""
-        state = {}
-        for share in self.ask("state"):
-            state |= {name.removeprefix("buffer."): tensor for name, tensor in share.items()}
-        return state
+        return merged_shares(self.ask("state"))
 
     def failed(self, index: int, error: ray.exceptions.RayTaskError) -> RunFailed:
         """The run's failure for an error that server ``index`` raised (its traceback included)."""

@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 import torch
 
@@ -24,6 +25,11 @@ def assign_parameters(sizes: dict[str, int], num_servers: int) -> list[list[str]
         shards[least].append(name)
         loads[least] += sizes[name]
     return shards
+
+
+def merged_shares(shares: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The servers' shares as one dict by the model's names (a server sends its buffers as ``buffer.<name>``)."""
+    return {name.removeprefix("buffer."): tensor for share in shares for name, tensor in share.items()}
 
 
 def model_from_shares(workload: Workload, shares: dict[str, torch.Tensor]) -> torch.nn.Module:
