@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from raylastic.jobconfig.checks import is_non_negative_int, is_positive_int, one_of, require
+from raylastic.jobconfig.checks import is_non_negative_int, is_number, is_positive_int, one_of, require
 
 Resume = Literal["auto", "never"]
+MAX_EVERY_MINUTES = 10_080.0
+"""Upper bound of ``checkpoint.every_minutes`` (a week): a longer one is a unit mix-up."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,6 +18,9 @@ class CheckpointConfig:
     """Directory or fsspec URL for checkpoints; None: <run dir>/checkpoints."""
     every_steps: int = 0
     """Save every this many steps (0: only at the end of the run)."""
+    every_minutes: float = 10.0
+    """Also save (in the background) once this many minutes have passed since the last checkpoint, at a step
+    all ranks agree on (0: off). What a sharded run loses with a worker and its buddy together."""
     num_to_keep: int = 2
     """Complete checkpoints kept; older ones are removed after a newer one is complete."""
     resume: Resume = "auto"
@@ -28,6 +33,9 @@ class CheckpointConfig:
                 "a directory path or null", self.path)
         require(is_non_negative_int(self.every_steps), "checkpoint.every_steps", "a non-negative integer",
                 self.every_steps)
+        require(is_number(self.every_minutes) and 0 <= self.every_minutes <= MAX_EVERY_MINUTES,
+                "checkpoint.every_minutes", f"a number of minutes in [0, {MAX_EVERY_MINUTES:g}] (0: off)",
+                self.every_minutes)
         require(is_positive_int(self.num_to_keep), "checkpoint.num_to_keep", "a positive integer", self.num_to_keep)
         require(self.resume in get_args(Resume), "checkpoint.resume", one_of(get_args(Resume)), self.resume)
         require(isinstance(self.async_save, bool), "checkpoint.async_save", "true or false", self.async_save)

@@ -92,6 +92,8 @@ BAD_OVERRIDES = [
     pytest.param(["training.steps=[1"], ["training.steps"], id="unparsable-value"),
     pytest.param(["failure.max_failures=true"], ["failure.max_failures"], id="bool-max-failures"),
     pytest.param(["checkpoint.every_steps=true"], ["checkpoint.every_steps"], id="bool-every-steps"),
+    *[pytest.param([f"checkpoint.every_minutes={value}"], ["checkpoint.every_minutes", "[0, 10080]", "(0: off)"],
+                   id=f"every-minutes-{value}") for value in ("-1", "10081", ".nan", "true", "soon")],
     pytest.param(["scaling.cpus_per_worker=.inf"], ["scaling.cpus_per_worker"], id="cpus-infinite"),
     pytest.param(["faults=[{action: kill}]"], ["missing faults[0].rank (a non-negative integer)",
                                               "faults[0].step (a positive integer)", "action, rank, step"],
@@ -219,6 +221,7 @@ def test_later_override_wins():
     ("optim.weight_decay=0", lambda job: job.optim.weight_decay, 0.0),
     ("scaling.cpus_per_worker=2", lambda job: job.scaling.cpus_per_worker, 2.0),
     ("strategy.bucket_cap_mb=1e1", lambda job: job.strategy.bucket_cap_mb, 10.0),
+    ("checkpoint.every_minutes=0", lambda job: job.checkpoint.every_minutes, 0.0),
 ])
 def test_numbers_are_coerced_to_float_for_float_fields(override, read, expected):
     value = read(load_job_config(None, [override]))
@@ -267,7 +270,7 @@ def test_math_hash_changes_with_what_decides_the_parameters(override):
 
 @pytest.mark.parametrize("override", ["training.steps=7", "scaling.max_workers=4", "scaling.min_workers=1",
                                       "scaling.cpus_per_worker=0.5", "failure.max_failures=0",
-                                      "checkpoint.every_steps=5"])
+                                      "checkpoint.every_steps=5", "checkpoint.every_minutes=0.5"])
 def test_math_hash_ignores_length_and_scaling(override):
     assert _hash(override) == _hash()
 
