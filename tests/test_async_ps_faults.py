@@ -14,6 +14,7 @@ import ray
 import torch
 
 from raylastic.actors.async_ps.checkpoints import complete_checkpoints
+from raylastic.actors.async_ps.heartbeats import Heartbeats
 from raylastic.actors.status.run import RunFailed
 from raylastic.cluster.job import train
 from raylastic.workloads.digits import Digits
@@ -155,3 +156,20 @@ def test_a_save_that_fails_is_a_checkpoint_failed_event_the_run_goes_on_and_run_
     assert_states_close(load_model(tmp_path / "run"), result.model_state, rtol=0, atol=0)
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "finished"
     assert (root / "ps_00000010").read_text() == "the user's"
+
+
+@ray.remote(num_cpus=0)
+class _AnswersLate:
+    def beat(self) -> str:
+        time.sleep(0.5)
+        return "the saves that failed"
+
+
+def test_a_ping_in_flight_when_the_run_finishes_is_heard():
+    """The final checkpoint waits for the servers' pings in flight: their answers carry saves that failed, which
+    the servers hand out once (a run that finished first reported no checkpoint_failed at all, the test above)."""
+    heartbeats = Heartbeats(timeout_s=60)
+    heartbeats.ping({"server0": _AnswersLate.remote().beat})
+    assert heartbeats.check().answers == {}
+    heartbeats.settle({"server0"}, timeout_s=60)
+    assert heartbeats.check().answers == {"server0": "the saves that failed"}

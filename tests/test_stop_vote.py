@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raylastic.actors.worker.stop_vote import MAX_VOTE_INTERVAL, VOTE_PERIOD_S, StopVote, proposed_interval
+from raylastic.actors.worker.stop_vote import MAX_VOTE_INTERVAL, VOTE_PERIOD_S, StopVote, proposed_interval, stops_early
 from tests.support.distributed_harness import run_distributed
 
 
@@ -36,6 +36,14 @@ def _vote_loop(step_s: float, stop_from: int, steps: int = 400) -> tuple[list[in
         if voting and vote.close(step):
             return voted, step
     return voted, -1
+
+
+def test_a_stop_voted_at_the_last_step_finishes_the_generation():
+    """A joiner's boundary voted at the run's last step once formed a generation that trained nothing, and the final
+    checkpoint (the step's periodic save, reused) then named the layout before it (CI, test_tensor_parallel)."""
+    assert stops_early(True, step=5, until_step=8)
+    assert not stops_early(True, step=8, until_step=8)
+    assert not stops_early(False, step=5, until_step=8)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

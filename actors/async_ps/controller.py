@@ -391,6 +391,13 @@ class AsyncController:
         failure.max_step_s, as a step); None if one failed: checkpoint_failed says why, and the run still ends with
         its model."""
         version = self.book.version
+        # A ping in flight carries the saves that failed before it was answered, which its server no longer holds;
+        # from here on only the beats below ask, and each is heard.
+        self.heartbeats.settle(set(self.group.pings()), timeout_s=self.job.failure.step_timeout_s)
+        try:
+            self.group.hear(self.heartbeats.check())
+        finally:
+            self._log_failed_saves()
         directory = self.group.ask("save")[0]
         deadline = time.monotonic() + self.job.failure.max_step_s
         while True:

@@ -58,6 +58,13 @@ class Heartbeats:
                 heard.late[name] = f"no answer for {self.timeout_s:.0f}s (failure.step_timeout_s)"
         return heard
 
+    def settle(self, names: set[str], timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the pings of ``names`` in flight, so that the next ``check`` hears them:
+        a server's answer carries the failed saves it no longer holds once it answered."""
+        refs = [ref for name, (ref, _) in self.pending.items() if name in names]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+
     def forget(self, name: str) -> None:
         self.pending.pop(name, None)
         self.answered.pop(name, None)

@@ -14,6 +14,11 @@ With ``share_rates``, the ballot also carries one slot per rank: each rank fills
 compute rate (the rest 0), so after the MAX every rank holds every rank's rate (``rates``), the
 same figures everywhere, for actors/data/balance.py.
 
+The ballot also carries the time-based checkpoints asked of the ranks (actors/controller/timed_checkpoints.py),
+by number: the highest asked and the highest already saved for. After the MAX every rank holds the same two, so
+every rank saves after the same step (``checkpoint_due``), and a request that reached some ranks only after
+one vote is not saved for again at the next.
+
 Usage, in the step loop of every rank::
 
     vote = StopVote(first_step=step, device=device)
@@ -30,6 +35,7 @@ Usage, in the step loop of every rank::
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,6 +44,13 @@ VOTE_PERIOD_S = 0.05
 """About how long apart votes are, so about how long a stop request waits for its step boundary."""
 MAX_VOTE_INTERVAL = 100
 """The most steps between two votes, however fast a step."""
+
+
+def stops_early(stop_voted: bool, step: int, until_step: int) -> bool:
+    """Whether a generation stops after ``step`` short of its end: only for a stop voted before ``until_step``. A stop
+    voted at the last step (a joiner's boundary, Ctrl-C) finishes the run in the layout that trained it, so its final
+    checkpoint and model are that layout's, with no new generation formed to train nothing."""
+    return stop_voted and step < until_step
 
 
 def proposed_interval(step_s: float | None) -> int:
@@ -49,15 +62,32 @@ def proposed_interval(step_s: float | None) -> int:
     return max(1, min(MAX_VOTE_INTERVAL, int(VOTE_PERIOD_S / step_s)))
 
 
+@dataclass
+class CheckpointAsks:
+    """The time-based checkpoints asked of this worker, by number (a worker's, kept across generations)."""
+
+    asked: int = 0
+    """The highest number the Controller asked of this worker."""
+    served: int = 0
+    """The highest number saved for, as this worker's last vote agreed."""
+
+
+SLOTS = 4
+"""stop, -proposed interval, checkpoint asked, checkpoint served; then the rates, when shared."""
+
+
 class StopVote:
     """The votes of one process-group generation, on the current default group."""
 
     def __init__(self, first_step: int, device: torch.device, share_rates: bool = False) -> None:
         self.next_vote_step = first_step
         """The 0-based step index of the next vote: the same on every rank."""
-        self._ballot = torch.zeros(2 + (dist.get_world_size() if share_rates else 0), device=device)
+        self._ballot = torch.zeros(SLOTS + (dist.get_world_size() if share_rates else 0), device=device)
         self.rates: tuple[float, ...] = ()
         """After ``close`` with ``share_rates``: every rank's rate as cast in that vote, in rank order."""
+        self.checkpoint_due = False
+        """After ``close``: every rank saves a checkpoint of the step voted after (a time-based one was asked)."""
+        self._asks: CheckpointAsks | None = None
         self._work: dist.Work | None = None
         self._last_vote: tuple[int, float] | None = None
         """(step index, time.perf_counter()) of this rank's previous vote: its measured step time."""
@@ -65,9 +95,9 @@ class StopVote:
     def due(self, step_index: int) -> bool:
         return step_index == self.next_vote_step
 
-    def open(self, step_index: int, *, stop: bool, rate: float = 0.0) -> None:
+    def open(self, step_index: int, *, stop: bool, rate: float = 0.0, asks: CheckpointAsks | None = None) -> None:
         """Cast this rank's vote for stopping after step ``step_index`` (and its ``rate``, when rates are
-        shared); call before training that step."""
+        shared, and the checkpoints ``asks`` holds, which ``close`` updates); call before training that step."""
         now = time.perf_counter()
         step_s = None
         if self._last_vote is not None:
@@ -76,8 +106,11 @@ class StopVote:
         self._last_vote = (step_index, now)
         ballot = torch.zeros(len(self._ballot))
         ballot[0], ballot[1] = float(stop), -float(proposed_interval(step_s))
-        if len(ballot) > 2:
-            ballot[2 + dist.get_rank()] = rate
+        self._asks = asks
+        if asks is not None:
+            ballot[2], ballot[3] = float(asks.asked), float(asks.served)
+        if len(ballot) > SLOTS:
+            ballot[SLOTS + dist.get_rank()] = rate
         self._ballot.copy_(ballot)
         if dist.get_world_size() > 1:
             self._work = dist.all_reduce(self._ballot, op=dist.ReduceOp.MAX, async_op=True)
@@ -87,7 +120,10 @@ class StopVote:
         if self._work is not None:
             self._work.wait()  # a peer lost meanwhile fails here, if the step itself did not already
             self._work = None
-        stop, negative_interval, *rates = self._ballot.tolist()
+        stop, negative_interval, asked, served, *rates = self._ballot.tolist()
         self.rates = tuple(rates)
+        self.checkpoint_due = asked > served
+        if self._asks is not None:
+            self._asks.served = int(max(asked, served))
         self.next_vote_step = step_index + int(-negative_interval)
         return stop > 0

@@ -41,7 +41,7 @@ from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.mailbox import StatusMailbox
 from raylastic.actors.worker.saver import AsyncSaver
 from raylastic.actors.worker.step import StepRunner
-from raylastic.actors.worker.stop_vote import StopVote
+from raylastic.actors.worker.stop_vote import CheckpointAsks, StopVote, stops_early
 from raylastic.jobconfig import DataConfig, EvalConfig, TrainingConfig
 from raylastic.strategies.base import TrainState
 from raylastic.strategies.buddy_copy import BuddyCopies
@@ -98,6 +98,8 @@ class TrainingLoop:
         self.balance = balance
         self.connections = connections
         self._stop_requested = threading.Event()
+        self.checkpoint_asks = CheckpointAsks()
+        """The time-based checkpoints the Controller asked for, voted on with the stop."""
         self._thread: threading.Thread | None = None
         self._profiled = False
 
@@ -115,6 +117,11 @@ class TrainingLoop:
     def request_stop(self) -> None:
         """Vote to stop at a step boundary (the next vote's, ~actors.worker.stop_vote.VOTE_PERIOD_S away)."""
         self._stop_requested.set()
+
+    def request_checkpoint(self, number: int) -> None:
+        """Vote for the time-based checkpoint ``number`` (actors/controller/timed_checkpoints.py); every rank saves
+        after the same step, in the background."""
+        self.checkpoint_asks.asked = max(self.checkpoint_asks.asked, number)
 
     def forget_stop_request(self) -> None:
         self._stop_requested.clear()
@@ -166,7 +173,7 @@ class TrainingLoop:
             step_index = status.step
             voting = vote.due(step_index)
             if voting:
-                vote.open(step_index, stop=self._stop_requested.is_set(), rate=meter.take())
+                vote.open(step_index, stop=self._stop_requested.is_set(), rate=meter.take(), asks=self.checkpoint_asks)
             with status.step_in_flight():
                 result = self.runner.run(state, step_index, batches, hooks,
                                          before_reduction=copies.finish if copies is not None else None)
@@ -185,10 +192,10 @@ class TrainingLoop:
                     batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
                 if profiler is not None:
                     profiler.step()
-                self.saver.after_step(status.step)
+                self.saver.after_step(status.step, asked=voting and vote.checkpoint_due)
             if self.eval.every_steps and status.step % self.eval.every_steps == 0 and status.step < self.training.steps:
                 self._evaluate_periodically(state)  # every rank reaches this step: the last one is _finish's
-            if stop:
+            if stops_early(stop, status.step, until_step):
                 status.set_phase("stopped")
                 return
         status.set_phase("finished")
