@@ -20,7 +20,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from raylastic.actors.async_ps.checkpoints import cut_in
-    from raylastic.actors.async_ps.server import model_state
+    from raylastic.actors.async_ps.server_files import model_state
     from raylastic.strategies.export import export_model, load_full_model_state
 
     try:

@@ -35,14 +35,14 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import ray
 import torch
 
 from raylastic.actors.async_ps.checkpoints import Cut, checkpoint_dir, server_file
 from raylastic.actors.async_ps.prediction import WeightPredictor
 from raylastic.actors.async_ps.saver import SaveFailure, ServerSaver, Snapshot
-from raylastic.actors.async_ps.shards import merged_shares, tied_names
+from raylastic.actors.async_ps.server_files import UnreadableCheckpoint, read_server_file
+from raylastic.actors.async_ps.shards import tied_names
 from raylastic.actors.worker.optimizer_recipe import learning_rate, optimizer_factory, set_learning_rate
 from raylastic.jobconfig import FaultConfig, OptimConfig, TrainingConfig, WorkloadConfig
 from raylastic.workloads import load_workload
@@ -77,10 +77,6 @@ class ServerFailed(RuntimeError):
 
     def __str__(self) -> str:
         return f"{self.summary}\n{self.details}"
-
-
-class UnreadableCheckpoint(ValueError):
-    """A file of the cut to restore cannot be read, or is not what its name says: the Controller takes an older cut."""
 
 
 @dataclass(frozen=True)
@@ -283,7 +279,7 @@ class ParameterServer:
         previous: dict[str, torch.Tensor] = {}
         expected_staleness = 0.0
         for name in cut.files():
-            saved = _read(name)
+            saved = read_server_file(name)
             if saved["config_hash"] != self.spec.config_hash:
                 raise ValueError(f"{name} was saved by another job (config hash {saved['config_hash']}, this job's "
                                  f"is {self.spec.config_hash}); use another checkpoint.path for this job")
@@ -301,31 +297,17 @@ class ParameterServer:
         numbered = [p for group in self.optimizer.param_groups for p in group["params"]]
         owned = {id(p) for p in self.params.values()}
         owned_ids = {i for i, p in enumerate(numbered) if id(p) in owned}
+        served = self._served()
+        if wrong := [n for n, t in served.items() if n not in entries or entries[n].shape != t.shape]:
+            raise UnreadableCheckpoint(f"{cut.directory} does not hold {wrong[0]!r} as this model has it (shape "
+                                       f"{tuple(served[wrong[0]].shape)})")
         with torch.no_grad():
-            for name, tensor in self._served().items():
+            for name, tensor in served.items():
                 tensor.copy_(entries[name])
         self.optimizer.load_state_dict({"state": {i: s for i, s in merged_state.items() if i in owned_ids},
                                         "param_groups": groups})
         if self.predictor:
             self.predictor.load_state_dict({"previous": previous, "expected_staleness": expected_staleness})
-
-
-def model_state(cut: Cut) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers in ``cut``'s files, by their ``state_dict`` names (a tied weight under each
-    of its names), as a plain state dict."""
-    saved = [_read(name) for name in cut.files()]
-    state = merged_shares(file["params"] for file in saved)
-    tied = {alias: name for file in saved for alias, name in file.get("tied", {}).items()}
-    return state | {alias: state[name] for alias, name in tied.items()}
-
-
-def _read(path: str) -> dict[str, Any]:
-    fs, local = fsspec.core.url_to_fs(path)
-    try:
-        with fs.open(local, "rb") as handle:
-            return torch.load(handle, weights_only=True)
-    except Exception as error:  # noqa: BLE001 - a missing, truncated or foreign file: the cut is not loadable
-        raise UnreadableCheckpoint(f"{path} could not be read: {type(error).__name__}: {error}") from None
 
 
 ParameterServerActor = ray.remote(ParameterServer)
