@@ -8,6 +8,7 @@ failures and stop requests: tests/test_controller_failures.py.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from raylastic.actors.controller.states import (
 )
 from raylastic.actors.status.group import LostWorker
 from raylastic.jobconfig import FaultConfig
+from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.peer_restore import ShardCopy
 from tests.support.fake_group import (
     STEPS,
@@ -173,6 +175,56 @@ def test_a_drained_worker_leaves_at_a_boundary(tmp_path):
     assert isinstance(advance(run), Resizing)
     assert isinstance(advance(run), Forming) and group.member_names == ["w0"]
     assert events(run, "worker_left")[0]["reason"] == "drained" and run.failures == 0
+
+
+def test_a_drain_asked_while_the_drained_leave_is_taken_at_the_next_boundary(tmp_path):
+    """``Controller.drain`` answers from another thread (a threaded actor) while the run's thread removes the drained
+    members at a boundary: a drain asked after who leaves was read, before the drains are cleared, is not lost."""
+    run, group = controller(tmp_path, "scaling.min_workers=1", workers=3)
+    run.state = Forming()
+    advance(run)
+    asked: list[list[str]] = []
+
+    class AskedWhileRead(set):
+        def __contains__(self, name: object) -> bool:
+            if name == group.members[-1] and not askers:  # who leaves is read: the user drains w0 now
+                askers.append(threading.Thread(target=lambda: asked.append(run.drain(rank=0))))
+                askers[0].start()
+                askers[0].join(timeout=2)  # where the ask has to wait its turn, the boundary goes on without it
+            return super().__contains__(name)
+
+    askers: list[threading.Thread] = []
+    assert run.drain(rank=1) == ["w1"]
+    group.draining = AskedWhileRead(group.draining)
+    assert isinstance(advance(run), Resizing)
+    assert isinstance(advance(run), Forming)
+    askers[0].join(timeout=30)
+    assert asked == [["w0"]] and [e["worker"] for e in events(run, "worker_left")] == ["w1"]
+    assert group.member_names == ["w0", "w2"] and group.draining == {"w0"}  # leaves at the next boundary
+    advance(run)
+    assert isinstance(advance(run), Resizing) and isinstance(advance(run), Forming)
+    assert group.member_names == ["w2"] and [e["worker"] for e in events(run, "worker_left")] == ["w1", "w0"]
+
+
+def test_progress_reads_the_layout_once_while_the_next_generation_forms(tmp_path):
+    """``progress`` answers from another thread while the run's thread forms a generation and sets its layout."""
+
+    class FormedBetweenReads:
+        """A tp2 generation's layout at the first read, the next (data-parallel) generation's at every later one."""
+
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def __get__(self, group: object, owner: type) -> ParallelLayout | None:
+            self.reads += 1
+            return ParallelLayout(tp=2) if self.reads == 1 else None
+
+        def __set__(self, group: object, value: object) -> None:
+            pass
+
+    run, group = controller(tmp_path)
+    group.__class__ = type("FormingMeanwhile", (type(group),), {"layout": FormedBetweenReads()})
+    assert run.progress().layout == "tp2"
 
 
 def test_workers_on_a_draining_node_leave_at_a_boundary_and_are_replaced(tmp_path):

@@ -173,16 +173,17 @@ class Controller:
         ``wait_s`` for an event past ``events_since`` (or the run's end) before answering."""
         if wait_s > 0:
             self.log.wait_for_news(events_since, wait_s)
+        layout = self.group.layout  # read once: the run's thread may form the next generation meanwhile
         return RunStatus(state=self.state.name, generation=self.group.generation, world_size=self.group.size,
                          step=self.step, members=self.group.member_names, failures=self.failures,
                          history=self.log.history(history_since), events=self.log.events(events_since),
                          evaluations=self.log.evaluations(evaluations_since),
-                         layout=self.group.layout.describe() if self.group.layout is not None else None)
+                         layout=layout.describe() if layout is not None else None)
 
     def drain(self, *, rank: int | None = None, node_id: str | None = None) -> list[str]:
         """Planned removal: the worker of ``rank`` (or every worker on ``node_id``) leaves at the next
         step boundary, with nothing discarded. Returns the names of the workers that will leave."""
-        return self.group.drain(rank=rank, node_id=node_id)
+        return self.drains.ask(rank=rank, node_id=node_id)
 
     def stop(self) -> None:
         """End the run at the next step boundary (Ctrl-C); workers are shut down, nothing orphaned. A stop
@@ -319,11 +320,12 @@ class Controller:
         members' memory and goes over to the new layout from there. Nothing is discarded."""
         restore = None
         hand_over = not self.replicated and self.job.parallel.model_parallel > 1  # the parts, as spares hand theirs
-        if not self.replicated and self.group.num_leaving and not hand_over:
-            path = self.group.save_checkpoint()
-            self.log.event("checkpointed", self.step, path=path, reason="membership change")
-            restore = Checkpoint(path, read_manifest(path))
-        self.drains.left(step=self.step, hand_over=hand_over)
+        with self.drains.boundary():  # a drain asked meanwhile waits for the next boundary
+            if not self.replicated and self.group.num_leaving and not hand_over:
+                path = self.group.save_checkpoint()
+                self.log.event("checkpointed", self.step, path=path, reason="membership change")
+                restore = Checkpoint(path, read_manifest(path))
+            self.drains.left(step=self.step, hand_over=hand_over)
         self.staffing.admit_joiners(step=self.step)
         return self.staffing.form_or_wait(restore, step=self.step)
 
