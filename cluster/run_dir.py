@@ -21,7 +21,6 @@ import json
 import math
 import os
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from raylastic.actors.status.run import Event, RunFailed, RunResult, RunStatus
 from raylastic.cluster.tracking import RunEnd
 from raylastic.jobconfig import JobConfig
+from raylastic.strategies.atomic_file import write_atomically
 
 LOCK_NAME = ".lock"
 
@@ -109,21 +109,21 @@ class SeenProgress:
 
 def write_model(run_dir: Path, state: dict[str, torch.Tensor]) -> None:
     """Atomically: a reader finds the whole model.pt of this run, or the file that was there before."""
-    temporary = run_dir / f"model.pt.{os.getpid()}.tmp"
     try:
-        torch.save(state, temporary)
-        os.replace(temporary, run_dir / "model.pt")
+        write_atomically(run_dir / "model.pt", lambda handle: torch.save(state, handle))
     except Exception as error:
-        temporary.unlink(missing_ok=True)
         raise RunFailed(f"could not write {run_dir / 'model.pt'}: {type(error).__name__}: {error}") from error
 
 
 def read_model_file(model: dict[str, torch.Tensor] | bytes | None) -> dict[str, torch.Tensor] | None:
     """A RunResult's model as a state dict: a worker sends it as the bytes of its ``torch.save``
-    (TrainWorker.full_model_file), which are this run's own, so not only its tensors are read back."""
+    (TrainWorker.full_model_file), read back as tensors and plain values only (RunFailed for anything else)."""
     if not isinstance(model, bytes):
         return model
-    return torch.load(io.BytesIO(model), map_location="cpu", weights_only=False)
+    try:
+        return torch.load(io.BytesIO(model), map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - pickle.UnpicklingError for what is not a plain state dict, or a torn file
+        raise RunFailed(f"the final model is not a plain state dict: {type(error).__name__}: {error}") from None
 
 
 def write_result(run_dir: Path, job: JobConfig, *, status: RunEnd, result: RunResult | None = None,
@@ -141,12 +141,10 @@ def write_result(run_dir: Path, job: JobConfig, *, status: RunEnd, result: RunRe
     else:
         payload.update(error=error, final_step=progress.step, history=progress.history,
                        eval_history=progress.evaluations, events=[event.to_dict() for event in progress.events])
-    temporary = run_dir / f"result.json.{os.getpid()}.{time.time_ns()}"
     try:
-        temporary.write_text(json.dumps(finite(payload), indent=1, default=str, allow_nan=False))
-        os.replace(temporary, run_dir / "result.json")
+        text = json.dumps(finite(payload), indent=1, default=str, allow_nan=False)
+        write_atomically(run_dir / "result.json", lambda handle: handle.write(text.encode()))
     except Exception as error:
-        temporary.unlink(missing_ok=True)
         raise RunFailed(f"could not write {run_dir / 'result.json'}: {type(error).__name__}: {error}") from error
 
 

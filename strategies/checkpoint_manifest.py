@@ -36,6 +36,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from raylastic.strategies.atomic_file import write_atomically
+
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 """DCP's index of the checkpoint: which file holds which shard; written by rank 0."""
@@ -196,19 +198,10 @@ def filesystem(url: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
 
 
 def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:
-    temporary = f"{path}.tmp"
     if isinstance(fs, LocalFileSystem):
-        with open(temporary, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-        descriptor = os.open(os.path.dirname(path), os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        write_atomically(path, lambda handle: handle.write(text.encode()))
         return
+    temporary = f"{path}.tmp"
     with fs.open(temporary, "w") as handle:
         handle.write(text)
     fs.mv(temporary, path)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from raylastic.strategies.atomic_file import write_atomically
 from raylastic.strategies.checkpoint_manifest import MANIFEST_NAME, file_problem, read_manifest, verify
 from raylastic.strategies.checkpoint_metadata import safe_reader
 
@@ -44,8 +45,7 @@ def load_full_model_state(directory: str) -> dict[str, torch.Tensor]:
 
 def export_model(state: dict[str, torch.Tensor], output: str | Path) -> Path:
     """Write a checkpoint's model ``state`` (``load_full_model_state``'s) as a plain ``torch.save`` file at
-    ``output``."""
+    ``output``, atomically: a write that fails (a full disk) leaves no torn file there."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, output)
-    return output
+    return write_atomically(output, lambda handle: torch.save(state, handle))
