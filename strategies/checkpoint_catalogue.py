@@ -102,14 +102,17 @@ def newest_complete(root: str | os.PathLike, max_step: int | None = None, skip: 
 
 def prune_checkpoints(root: str, num_to_keep: int, *, written_step: int) -> None:
     """Once the checkpoint of ``written_step`` is complete: remove older complete checkpoints beyond the
-    newest ``num_to_keep`` up to it, and older incomplete directories that we wrote (``written_by_us``). A
+    newest ``num_to_keep`` up to it, and older incomplete directories that we wrote (``written_by_us``); a complete
+    checkpoint's step is its manifest's, both to keep and to delete, an incomplete one's its directory's name. A
     higher step (an earlier life of the run that got further, say) is left alone: the checkpoint just written
     does not supersede it. So is every directory we did not write, whatever its name."""
-    complete = [c for c in complete_checkpoints(root) if c.manifest.step <= written_step]
-    keep = {c.path for c in complete[-num_to_keep:]}
+    found = complete_checkpoints(root)
+    keep = {c.path for c in [c for c in found if c.manifest.step <= written_step][-num_to_keep:]}
+    manifest_steps = {c.path: c.manifest.step for c in found}
     fs, path = filesystem(root)
     for listed in fs.ls(path, detail=False):
-        step, directory = step_of(listed), same_scheme(root, listed)
+        directory = same_scheme(root, listed)
+        step = manifest_steps.get(directory, step_of(listed))
         if step is not None and step < written_step and directory not in keep and written_by_us(directory):
             fs.rm(listed, recursive=True)
 

@@ -208,3 +208,19 @@ def test_on_an_fsspec_store_names_and_file_types_are_checked_and_only_our_direct
     fs.pipe(f"{newest}/sub/a.bin", b"state")
     assert file_problem(newest, "sub") == "sub is not a regular file (fsspec type 'directory')"
     assert file_problem(newest, "gone.bin") == "gone.bin is missing" and file_problem(newest, "a.bin") is None
+
+
+def test_pruning_keeps_and_deletes_by_the_same_step_the_manifests(tmp_path):
+    """Pruning kept by the manifest's step and deleted by the directory name's: a checkpoint whose manifest says a
+    later step than its name (one copied in by hand) was deleted though newer than the one just written, and one
+    whose name says a later step than its manifest was kept beyond checkpoint.num_to_keep."""
+    from raylastic.strategies.checkpoint_catalogue import prune_checkpoints
+    from raylastic.strategies.checkpoint_manifest import CheckpointManifest, write_manifest, write_marker
+
+    for name, step in (("step_00000001", 1), ("step_00000002", 9), ("step_00000004", 4), ("step_00000007", 2)):
+        (tmp_path / name).mkdir()
+        write_marker(str(tmp_path / name))
+        write_manifest(str(tmp_path / name), CheckpointManifest(step=step, world_size=1, strategy="ddp",
+                                                                 samples_consumed=step, config_hash="job"), files={})
+    prune_checkpoints(str(tmp_path), 1, written_step=4)
+    assert step_dirs(tmp_path) == ["step_00000002", "step_00000004"]
