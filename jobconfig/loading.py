@@ -30,8 +30,11 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | tuple
             raise ValueError(f"--config {path}: cannot read it ({error.strerror})") from error
         try:
             loaded = yaml.safe_load(text)
+            repeated = repeated_key(yaml.compose(text, Loader=yaml.SafeLoader))
         except yaml.YAMLError as error:
             raise ValueError(f"--config {path}: not valid YAML ({error})") from error
+        if repeated is not None:
+            raise ValueError(f"--config {path}: {repeated}; YAML would keep the last one silently, keep one")
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"--config {path}: expected a mapping of sections, got {type(loaded).__name__}")
         raw = loaded or {}
@@ -39,6 +42,31 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | tuple
         key, value = _parse_override(override)
         _set_nested(raw, key.split("."), value)
     return job_config_from_dict(raw)
+
+
+def repeated_key(node: yaml.Node | None, prefix: str = "", seen: set[int] | None = None) -> str | None:
+    """The first key given twice in one mapping of the composed YAML ``node``, as ``section.key is given twice (lines
+    3 and 9)``, or None. A merge (``<<: *base``) is no repeat: the mapping's own keys override it, as YAML says."""
+    seen = set() if seen is None else seen
+    if node is None or id(node) in seen:  # an alias met twice: checked once
+        return None
+    seen.add(id(node))
+    children: list[tuple[str, yaml.Node]] = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if key.value in lines:
+                    return f"{prefix}{key.value} is given twice (lines {lines[key.value]} and {line})"
+                lines[key.value] = line
+                children.append((f"{prefix}{key.value}.", value))
+    elif isinstance(node, yaml.SequenceNode):
+        children = [(f"{prefix.rstrip('.')}[{index}].", item) for index, item in enumerate(node.value)]
+    for child_prefix, child in children:
+        if (found := repeated_key(child, child_prefix, seen)) is not None:
+            return found
+    return None
 
 
 def job_config_from_dict(raw: dict[str, Any]) -> JobConfig:

@@ -185,6 +185,29 @@ def test_unreadable_yaml_file_is_named(tmp_path, name):
     assert str(raised.value).startswith(f"--config {path}:")
 
 
+@pytest.mark.parametrize(("text", "fragment"), [
+    pytest.param("training:\n  steps: 10\n  seed: 1\n  steps: 1000\n", "training.steps is given twice (lines 2 and 4)",
+                 id="field"),
+    pytest.param("optim:\n  lr: 0.1\ntraining: {}\noptim:\n  lr: 0.2\n", "optim is given twice (lines 1 and 4)",
+                 id="section"),
+    pytest.param("faults:\n- {action: kill, rank: 1, step: 5, rank: 0}\n", "faults[0].rank is given twice", id="list"),
+])
+def test_a_key_given_twice_in_the_yaml_file_is_refused_naming_it(tmp_path, text, fragment):
+    """YAML keeps the last of two equal keys: the first value was dropped without a word."""
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="keep one") as raised:
+        load_job_config(path)
+    assert fragment in str(raised.value) and str(path) in str(raised.value)
+
+
+def test_a_key_overriding_a_merged_one_is_no_repeat(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("optim:\n  <<: {lr: 0.1, momentum: 0.5}\n  lr: 0.2\n")
+    optim = load_job_config(path).optim
+    assert (optim.lr, optim.momentum) == (0.2, 0.5)
+
+
 def test_balance_off_in_yaml_is_off_not_false(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("scaling:\n  balance: off\n")  # YAML 1.1 reads a bare off as false
