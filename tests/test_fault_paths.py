@@ -76,6 +76,21 @@ def test_a_bug_in_the_workload_fails_the_run_at_once_with_its_traceback(tmp_path
     assert not events_of(run_dir, "generation_formed")[1:]  # never re-formed: nothing was retried
 
 
+def test_a_collective_that_fails_on_every_rank_fails_the_run_at_once_not_as_a_lost_worker(tmp_path):
+    run_dir = tmp_path / "mismatch"
+    config = job(*BASE, "workload.name=tests.support.fault_workloads:MismatchedCollectiveDigits",
+                 "workload.options={step: 5}", "failure.collective_timeout_s=3", "failure.max_failures=3",
+                 name="mismatch")
+    with pytest.raises(RunFailed) as raised:
+        train(config, run_dir=run_dir)
+    message = str(raised.value)
+    assert "every rank" in message and "Timed out" in message and "fault_workloads.py" in message
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "failed" and result["final_step"] == 4
+    assert not events_of(run_dir, "generation_formed")[1:]  # never re-formed: nothing was retried
+    assert not events_of(run_dir, "recovered")
+
+
 def test_replicated_run_losing_every_worker_goes_on_from_its_checkpoint(tmp_path, undisturbed):
     run_dir = tmp_path / "all"
     faults = "faults=[{action: kill, rank: 0, step: 17}, {action: kill, rank: 1, step: 17}]"

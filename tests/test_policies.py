@@ -172,9 +172,14 @@ def test_peer_errors_wait_for_a_death_then_blame_the_members_still_training():
         "b", "hung: its peers' collectives gave up waiting for it (failure.collective_timeout_s=30.0)", 1),))
 
 
-def test_peer_errors_with_nobody_to_blame_re_form_the_group_as_it_is():
-    survivors = [MemberStatus(n, phase="failed", error="gloo: timeout", error_cause="peer_lost") for n in "ab"]
-    assert JUDGE.decide(group(*survivors, errors_for_s=3.0)) == WorkersLost(())
+def test_a_collective_error_on_every_rank_with_nobody_lost_is_the_jobs_error():
+    failed = [MemberStatus(n, phase="failed", error=f"gloo: timeout on {n}", error_cause="peer_lost") for n in "ab"]
+    assert JUDGE.decide(group(*failed, errors_for_s=1.0)) == KeepTraining()  # a death may still be reported
+    verdict = JUDGE.decide(group(*failed, errors_for_s=2.5))
+    assert isinstance(verdict, JobError) and [name for name, _ in verdict.errors] == ["a", "b"]
+    assert "gloo: timeout on a" in verdict.reason(step=7) and "every rank" in verdict.reason(step=7)
+    assert isinstance(JUDGE.decide(group(failed[0], MemberStatus("b", dead="actor died"), errors_for_s=2.5)),
+                      WorkersLost)
 
 
 # -- where a generation's state comes from ----------------------------------------------------------------

@@ -181,6 +181,10 @@ class AllStopped:
 
 Verdict = KeepTraining | GenerationFinished | AllStopped | WorkersLost | JobError
 
+EVERY_RANK_FAILED = ("in a collective that failed on every rank at once with no worker lost: the ranks' collectives "
+                     "do not match")
+"""Where a JobError of collectives failed everywhere was raised (JobError.reason's first line)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationJudge:
@@ -189,7 +193,9 @@ class GenerationJudge:
     A worker whose process is gone, that stops answering for ``step_timeout_s`` or whose step runs for
     ``max_step_s`` is lost. A worker whose collective lost its peer is a survivor; if no death explains
     such errors within ``error_grace_s``, the members still training (the ones their peers' collectives
-    gave up waiting for) are hung. An error of the job itself ends the run.
+    gave up waiting for) are hung; when none is, every member's collective failed with nobody lost: the
+    collectives the job calls do not match between ranks (a root, an order), which a new generation would
+    only meet again. That and an error of the job itself end the run.
     """
 
     step_timeout_s: float
@@ -206,6 +212,8 @@ class GenerationJudge:
         if job_errors:
             return JobError(job_errors)
         if status.errors_for_s is not None and status.errors_for_s > self.error_grace_s:
+            if all(m.phase == "failed" for m in status.members):
+                return JobError(tuple((m.name, m.error) for m in status.members), where=EVERY_RANK_FAILED)
             return WorkersLost(tuple(
                 LostWorker(m.name, "hung: its peers' collectives gave up waiting for it "
                                    f"(failure.collective_timeout_s={self.collective_timeout_s})", rank)

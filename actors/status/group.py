@@ -96,8 +96,8 @@ class WorkersLost:
     """Members dead or hung: recovered from (the survivors form the next generation)."""
 
     lost: tuple[LostWorker, ...]
-    """Empty when every member's collective lost a peer that is nonetheless still there: the group re-forms
-    as it is."""
+    """Empty when members' collectives lost a peer that is nonetheless still there, and the others ended their
+    steps (every member failed: a JobError): the group re-forms as it is."""
 
 
 @dataclass(frozen=True)
