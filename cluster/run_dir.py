@@ -30,7 +30,7 @@ import fsspec
 import torch
 
 from raylastic.actors.status.run import Event, RunFailed, RunResult, RunStatus
-from raylastic.cluster.tracking import RunEnd
+from raylastic.cluster.tracking import RunEnd, shown_config
 from raylastic.jobconfig import JobConfig
 from raylastic.strategies.atomic_file import write_atomically
 
@@ -129,7 +129,7 @@ def read_model_file(model: dict[str, torch.Tensor] | bytes | None) -> dict[str, 
 def write_result(run_dir: Path, job: JobConfig, *, status: RunEnd, result: RunResult | None = None,
                  error: str | None = None, progress: SeenProgress | None = None) -> None:
     """result.json, atomically (RunFailed if it cannot be written)."""
-    payload: dict[str, Any] = {"status": status, "name": job.name, "config": job.to_dict()}
+    payload: dict[str, Any] = {"status": status, "name": job.name, "config": shown_config(job)}
     if result is not None:
         payload.update(final_step=result.final_step, metrics=result.metrics, checkpoint=result.checkpoint,
                        history=result.history, eval_history=result.eval_history,

@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit
 from urllib.request import pathname2url
 
 from raylastic.actors.status.run import RunStatus
@@ -48,6 +48,7 @@ MLFLOW_STATUS: dict[str, str] = {"finished": "FINISHED", "failed": "FAILED", "st
 MISSING_MLFLOW = "tracking.mlflow_uri is set but mlflow is not installed: pip install 'raylastic[mlflow]'"
 BATCH_SIZE = 1000  # MLflow's limit on metrics per log_batch (and on entities per batch)
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch
+REDACTED = "***"
 NOT_METRICS = ("step", "time_s")  # the step is the metric's step; time_s its timestamp
 
 
@@ -139,7 +140,7 @@ class MlflowLog:
             run = self.client.create_run(self.experiment_id, start_time=self._start_ms, run_name=self.job.name,
                                          tags=self._tags())
             self.run_id = run.info.run_id
-            params = [Param(key, value) for key, value in flatten_params(self.job.to_dict()).items()]
+            params = [Param(key, value) for key, value in flatten_params(shown_config(self.job)).items()]
             for start in range(0, len(params), PARAMS_PER_BATCH):
                 self.client.log_batch(self.run_id, params=params[start:start + PARAMS_PER_BATCH])
         return self.run_id
@@ -183,6 +184,35 @@ def store_uri(uri: str) -> tuple[str, str | None]:
     if any((entry / "meta.yaml").exists() for entry in directory.glob("[0-9]*")):  # an mlruns file store
         return directory.as_uri(), None
     return f"sqlite:///{pathname2url(str(directory / 'mlflow.db'))}", (directory / "artifacts").as_uri()
+
+
+def shown_config(job: JobConfig) -> dict[str, Any]:
+    """The job's config as result.json and the MLflow params show it: ``tracking.mlflow_uri`` without credentials."""
+    config = job.to_dict()
+    config["tracking"]["mlflow_uri"] = redacted_uri(config["tracking"]["mlflow_uri"])
+    return config
+
+
+def redacted_uri(uri: str | None) -> str | None:
+    """``uri`` with its user info (``user:password@``) and every query value (a token) as ``***``; a plain path as
+    it is.
+
+    Example::
+
+        >>> redacted_uri("https://alice:s3cret@mlflow.example.com/api?token=abc&x")
+        'https://***@mlflow.example.com/api?token=***&x'
+    """
+    if not uri:
+        return uri
+    parts = urlsplit(uri)
+    shown = uri
+    if "@" in parts.netloc:
+        shown = shown.replace(parts.netloc, f"{REDACTED}@{parts.netloc.rsplit('@', 1)[1]}", 1)
+    if parts.query:
+        query = "&".join(f"{name}={REDACTED}" if sep else name
+                         for name, sep, _ in (item.partition("=") for item in parts.query.split("&")))
+        shown = shown.replace(f"?{parts.query}", f"?{query}", 1)
+    return shown
 
 
 def flatten_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -1,6 +1,7 @@
 """The files a run and ``raylastic export`` leave are replaced whole and durably (strategies/atomic_file.py): a write
 that fails leaves the file that was there and no temporary one, model.pt and result.json are fsync'd with their
-directory; the model bytes a worker sends are read back as tensors only. Real files, the real ``os.fsync`` (watched)."""
+directory; the model bytes a worker sends are read back as tensors only; result.json's config shows no credentials of
+``tracking.mlflow_uri``. Real files, the real ``os.fsync`` (watched)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,17 @@ def test_the_model_bytes_are_read_as_tensors_only(tmp_path):
     torch.save({"w": torch.ones(2), "x": RunsCode()}, with_code)
     with pytest.raises(RunFailed, match="the final model is not a plain state dict"):
         read_model_file(with_code.getvalue())
+
+
+@pytest.mark.parametrize(("uri", "shown"), [
+    ("https://alice:s3cret@mlflow.example.com:5000/api?token=abc&x", "https://***@mlflow.example.com:5000/api?token=***&x"),
+    ("https://tok3n@mlflow.example.com", "https://***@mlflow.example.com"),
+    ("sqlite:////srv/mlruns/mlflow.db", "sqlite:////srv/mlruns/mlflow.db"),
+    ("/home/a@b/mlruns", "/home/a@b/mlruns"),
+])
+def test_result_json_shows_the_mlflow_uri_without_its_credentials(tmp_path, uri, shown):
+    write_result(tmp_path, job(f"tracking.mlflow_uri={uri}", name="secret"), status="failed", error="boom",
+                 progress=SeenProgress())
+    written = (tmp_path / "result.json").read_text()
+    assert json.loads(written)["config"]["tracking"]["mlflow_uri"] == shown
+    assert "s3cret" not in written and "tok3n" not in written and "token=abc" not in written
