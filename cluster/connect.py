@@ -1,8 +1,11 @@
 """Connect to Ray: a running cluster by address, or a local instance this process starts and stops.
 
-Laptop mode: ``ray start --head`` then ``--address auto``; or no address at all, and a local
-instance is started for the run (no dashboard, so no job server either) and shut down after it. That
-instance, and the runs' process groups, listen on loopback only (cluster/loopback.py).
+Laptop mode: a head on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head ...``) then
+``--address auto``; or no address at all, and a local instance is started for the run (no dashboard, so no job
+server either) and shut down after it. Either instance, and the runs' process groups, listen on loopback only
+(cluster/loopback.py): a job that joins an instance whose GCS answers on this machine's loopback only tells
+its ranks' gloo and NCCL the loopback interface too. A head on the network address is a cluster: other
+machines may join it while a run trains, so its ranks listen on the network.
 
 Token authentication (Ray 2.60 turns it on for ``ray start --head`` and local ``ray.init``): Ray
 sends the local token (``~/.ray/auth_token``) only to a cluster it finds itself, i.e. ``auto``
@@ -25,7 +28,13 @@ import ray
 
 from raylastic.cluster.import_path import IMPORT_PATH_VARIABLE, SETUP_HOOK
 from raylastic.cluster.local_start import start_local_ray
-from raylastic.cluster.loopback import is_loopback, is_loopback_only, loopback_interfaces, loopback_node
+from raylastic.cluster.loopback import (
+    is_loopback,
+    is_loopback_only,
+    loopback_interfaces,
+    loopback_node,
+    nodes_off_loopback,
+)
 from raylastic.jobconfig.naming import NAMESPACE
 
 
@@ -88,13 +97,20 @@ def _connect(address: str, options: dict) -> None:
     if explicit and "RAY_AUTH_MODE" not in os.environ and _is_this_machine(explicit):
         _enable_token_auth_if_token_available()
     target = explicit or _address_ray_finds()
+    # A GCS on loopback only admits nodes of this machine, on loopback too: every rank is here.
     joins_laptop_instance = bool(target) and _is_this_machine(target) and is_loopback_only(target)
+    if joins_laptop_instance:
+        options["runtime_env"]["env_vars"].update(loopback_interfaces())
     try:
         with loopback_node() if joins_laptop_instance else contextlib.nullcontext():
             ray.init(address=address, **options)
     except ConnectionError as error:
         raise ConnectionError(f"cannot connect to the Ray cluster at {explicit or address}: {error}; "
                               f"{AUTH_HINT}") from error
+    if joins_laptop_instance and (elsewhere := nodes_off_loopback(ray.nodes())):
+        warnings.warn(f"the Ray at {target} answers on loopback only, yet has nodes at {elsewhere}: the ranks' "
+                      "gloo and NCCL listen on loopback, so ranks on those nodes cannot connect", RuntimeWarning,
+                      stacklevel=4)
 
 
 def _address_ray_finds() -> str | None:

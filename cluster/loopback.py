@@ -4,8 +4,11 @@ Ray 2.60 binds its services (GCS, raylet, object manager, workers, agents) to th
 local instance is the machine's address on its network, unless Ray's cluster mode is off (as Ray has it
 on macOS and Windows, against firewall prompts): then the node IP is 127.0.0.1 and every one of them
 listens on loopback. ``loopback_node()`` turns cluster mode off while ``ray.init`` starts the node, and
-only then. gloo and NCCL bind to the address the hostname resolves to unless told an interface:
-``loopback_interfaces()`` names the loopback one to both, for the job's runtime env.
+only then. ``ray start`` takes the same setting from its environment: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+ray start --head`` starts a head whose every service listens on loopback (``--node-ip-address=127.0.0.1`` alone
+does not: with cluster mode on, Ray replaces a loopback node address with the network one). gloo and NCCL bind to
+the address the hostname resolves to unless told an interface: ``loopback_interfaces()`` names the loopback one to
+both, for the job's runtime env.
 
 Example::
 
@@ -77,6 +80,12 @@ def _answers(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def nodes_off_loopback(nodes: list[dict]) -> list[str]:
+    """The addresses of the live nodes among ``nodes`` (``ray.nodes()``) that are not on loopback."""
+    return sorted({node["NodeManagerAddress"] for node in nodes
+                   if node.get("Alive") and not is_loopback(node["NodeManagerAddress"])})
 
 
 def is_loopback(host: str) -> bool:
