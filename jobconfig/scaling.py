@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
@@ -9,6 +10,11 @@ from raylastic.jobconfig.checks import is_non_negative_int, is_number, is_positi
 
 FaultAction = Literal["kill", "ray_kill", "stall", "raise", "remove_node", "throttle", "kill_server"]
 FAULT_ACTIONS: tuple[str, ...] = get_args(FaultAction)
+ENV_VAR_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+RESERVED_WORKER_ENV = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                       "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "RAYLASTIC_PROCESS_ROLE")
+"""Variables raylastic sets in its workers itself (strategies/nccl_recovery.py NCCL_RECOVERY_ENVIRONMENT,
+actors/processes/setup_hook.py worker_runtime_env): a worker's recovery and device binding depend on them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +46,10 @@ class ScalingConfig:
     """A rank's share never drops below the even share over this factor; a rank held there whose compute still
     takes longer than the others', persistently, is reported (event ``straggler``) and drained when
     min_workers allows. > 1."""
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """Environment variables set in every worker's process (its Ray runtime environment), e.g. NCCL's
+    {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "mlx5", "NCCL_DEBUG": "INFO"}. Names [A-Z_][A-Z0-9_]*, values
+    strings; not the variables raylastic sets itself (RESERVED_WORKER_ENV)."""
     placement_timeout_s: float = 120.0
     """How long to wait for min_workers to be placed, at the start and after failures, before failing; in
     [10 s, a day]. Waiting after a failure includes starting the replacement (a process importing torch
@@ -72,6 +82,14 @@ class ScalingConfig:
         require(is_number(self.straggler_factor) and self.straggler_factor > 1, "scaling.straggler_factor",
                 "a number > 1", self.straggler_factor)
         require_seconds(self.placement_timeout_s, "scaling.placement_timeout_s", low=10)
+        require(isinstance(self.worker_env, dict) and all(
+            isinstance(k, str) and ENV_VAR_NAME.fullmatch(k) and isinstance(v, str)
+            for k, v in self.worker_env.items()),
+            "scaling.worker_env", "a mapping of variable name ([A-Z_][A-Z0-9_]*) to a string value", self.worker_env)
+        reserved = sorted(set(self.worker_env) & set(RESERVED_WORKER_ENV))
+        if reserved:
+            raise ValueError(f"scaling.worker_env cannot set {', '.join(reserved)}: raylastic sets them in every "
+                             f"worker for its NCCL recovery and device binding (docs/cluster.md)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,10 +1,12 @@
-"""GPU workers (NCCL): mixed precision, and a survivor that outlives its killed peer.
+"""GPU workers (NCCL): mixed precision, a survivor that outlives its killed peer, a node's workers on P2P.
 
 The GPU tests run one worker per visible GPU (at most 2) through cluster.job.train and are skipped
 where torch sees no CUDA device; the kill test needs two GPUs (with one, a compression hook has nothing
-to send: its arithmetic on CUDA tensors runs only with two). Without CUDA, what runs instead is
+to send: its arithmetic on CUDA tensors runs only with two), and so do the device binding and NCCL abort
+tests (two Ray actors on one node forming NCCL groups). Without CUDA, what runs instead is
 what a user then gets from scaling.use_gpu=true: an error naming the field, not a silent CPU run (a
-local Ray is given 2 logical GPUs, so the workers are placed and the error comes from them).
+local Ray is given 2 logical GPUs, so the workers are placed and the error comes from them), and which
+device each GPU worker would bind and see (a local Ray given 4 logical GPUs named by UUID).
 
     python -m pytest tests/test_gpu.py -v     # on a GPU machine
 """
@@ -13,17 +15,27 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
 import torch
+import torch.distributed as dist
 
+from raylastic.actors.processes.setup_hook import TRAINS, worker_runtime_env
 from raylastic.actors.status.run import RunFailed
 from raylastic.cluster.job import train
+from raylastic.cluster.local_start import start_local_ray
+from raylastic.jobconfig import ScalingConfig
 from raylastic.jobconfig.naming import NAMESPACE
 from raylastic.strategies.checkpoint import load_into
-from raylastic.strategies.process_group import choose_backend, choose_device
+from raylastic.strategies.device_binding import VISIBLE_DEVICES, assigned_cuda_device_index
+from raylastic.strategies.group_assignment import GroupAssignment
+from raylastic.strategies.nccl_recovery import ABORT_TIMEOUT_S
+from raylastic.strategies.process_group import abort_group, choose_backend, choose_device, join_group
 from tests.conftest import REPO_ROOT
 from tests.support.helpers import assert_states_close, job, load_model
 
@@ -129,3 +141,177 @@ def test_nccl_survivor_carries_on_when_its_peer_is_killed(tmp_path):
     assert recovered.details["recovery_s"] < 10 + 10  # the survivor raised in time, it did not die with its peer
     assert_states_close(load_model(tmp_path / "kill"), load_model(tmp_path / "undisturbed"), rtol=1e-3, atol=1e-4)
     assert _saved_scale(killed.checkpoint) == _saved_scale(undisturbed.checkpoint)
+
+
+@ray.remote(num_cpus=0.5, num_gpus=1)
+class _NcclRank:
+    """A GPU worker's device binding and NCCL group, as a TrainWorker makes them."""
+
+    def __init__(self) -> None:
+        self.device = choose_device(True)
+        self.stores: list[dist.Store] = []
+        self._lonely: threading.Thread | None = None
+        self._lonely_error: str | None = None
+
+    def seen(self) -> dict:
+        return {"index": self.device.index, "count": torch.cuda.device_count(),
+                "visible": os.environ.get(VISIBLE_DEVICES), "current": torch.cuda.current_device()}
+
+    def can_access_peer(self, peer_index: int) -> bool:
+        return torch.cuda.can_device_access_peer(self.device.index, peer_index)
+
+    def join(self, generation: int, rank: int, store_path: str, timeout_s: float) -> None:
+        store = dist.FileStore(store_path, 2)
+        self.stores.append(store)
+        join_group(GroupAssignment(generation=generation, rank=rank, world_size=2, store=None,
+                                   store_prefix="gpu-test", timeout_s=timeout_s), "nccl", store)
+
+    def all_reduce(self) -> float:
+        total = torch.full((1 << 20,), float(dist.get_rank() + 1), device=self.device)
+        dist.all_reduce(total)
+        return total[0].item()
+
+    def start_lonely_all_reduce(self) -> None:
+        """An all-reduce its peer never joins, waited for on a thread of its own (as the training thread would)."""
+        def run() -> None:
+            try:
+                self.all_reduce()
+                torch.cuda.synchronize(self.device)
+                self._lonely_error = "returned"
+            except Exception as error:  # noqa: BLE001 - what the abort makes it raise
+                self._lonely_error = f"{type(error).__name__}: {error}"
+        self._lonely_error = None
+        self._lonely = threading.Thread(target=run, daemon=True)
+        self._lonely.start()
+
+    def lonely_end(self, timeout_s: float) -> str | None:
+        """How the lonely all-reduce ended (None: still blocked after ``timeout_s``)."""
+        self._lonely.join(timeout_s)
+        return None if self._lonely.is_alive() else self._lonely_error
+
+    def abort(self) -> None:
+        abort_group()
+
+    def group_left(self) -> bool:
+        return not dist.is_initialized()
+
+
+def _nccl_ranks(tmp_path: Path, **worker_env: str) -> list:
+    env = worker_runtime_env(ScalingConfig(use_gpu=True, worker_env=dict(worker_env)))
+    ranks = [_NcclRank.options(runtime_env=env).remote() for _ in range(2)]
+    ray.get([rank.seen.remote() for rank in ranks], timeout=300)
+    return ranks
+
+
+def _join(ranks: list, generation: int, tmp_path: Path, timeout_s: float) -> None:
+    store_path = str(tmp_path / f"store-{generation}")
+    ray.get([rank.join.remote(generation, index, store_path, timeout_s) for index, rank in enumerate(ranks)],
+            timeout=timeout_s + 120)
+
+
+@requires_two_gpus
+@pytest.mark.usefixtures("ray_local")
+def test_a_nodes_gpu_workers_bind_their_own_gpu_see_their_peers_and_talk_p2p(tmp_path):
+    ranks = _nccl_ranks(tmp_path, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P",
+                        NCCL_DEBUG_FILE=str(tmp_path / "nccl.%h.%p.log"))
+    try:
+        seen = ray.get([rank.seen.remote() for rank in ranks])
+        assert seen[0]["index"] != seen[1]["index"]
+        assert all(s["current"] == s["index"] and s["count"] >= 2 for s in seen)  # each sees its peer's GPU
+        _join(ranks, 0, tmp_path, timeout_s=60)
+        assert ray.get([rank.all_reduce.remote() for rank in ranks], timeout=120) == [3.0, 3.0]
+        if not ray.get(ranks[0].can_access_peer.remote(seen[1]["index"])):
+            pytest.skip("these GPUs have no peer access (NVLink or PCIe P2P) to each other")
+        log = "".join(path.read_text() for path in tmp_path.glob("nccl.*.log"))
+        assert "via P2P" in log and "via SHM" not in log, log[-4000:]
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
+
+
+@requires_two_gpus
+@pytest.mark.usefixtures("ray_local")
+def test_an_nccl_collective_whose_peer_stays_away_ends_by_our_abort_and_the_survivor_joins_again(tmp_path):
+    """At the group's timeout torch's watchdog records the error and our watch aborts (the watchdog itself aborts
+    nothing: TORCH_NCCL_ASYNC_ERROR_HANDLING=0); before it, abort_group does. Either way the process lives on and
+    joins the next generation."""
+    ranks = _nccl_ranks(tmp_path)
+    survivor = ranks[0]
+    try:
+        _join(ranks, 0, tmp_path, timeout_s=10)
+        assert ray.get([rank.all_reduce.remote() for rank in ranks], timeout=120) == [3.0, 3.0]
+        ray.get(survivor.start_lonely_all_reduce.remote())
+        ended = ray.get(survivor.lonely_end.remote(10 + ABORT_TIMEOUT_S + 60), timeout=300)
+        assert ended is not None and ended != "returned", "the watch did not end the collective past its timeout"
+        assert ray.get(survivor.group_left.remote())
+
+        _join(ranks, 1, tmp_path, timeout_s=600)  # a timeout the test never reaches: only our abort can end it
+        assert ray.get([rank.all_reduce.remote() for rank in ranks], timeout=120) == [3.0, 3.0]
+        ray.get(survivor.start_lonely_all_reduce.remote())
+        assert ray.get(survivor.lonely_end.remote(2)) is None  # blocked on its peer
+        ray.get(survivor.abort.remote(), timeout=ABORT_TIMEOUT_S + 60)
+        ended = ray.get(survivor.lonely_end.remote(60), timeout=120)
+        assert ended is not None and ended != "returned"
+        assert ray.get(survivor.group_left.remote())
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
+
+
+@ray.remote(num_cpus=0, num_gpus=1)
+class _GpuWorkerProbe:
+    """Reports what a GPU worker placed here would bind and see, without touching CUDA."""
+
+    def binding(self) -> dict:
+        return {"assigned": [str(i) for i in ray.get_gpu_ids()], "visible": os.environ.get(VISIBLE_DEVICES),
+                "index": assigned_cuda_device_index(), "nccl_debug": os.environ.get("NCCL_DEBUG")}
+
+
+NODE_GPUS = [f"GPU-5d2f0e1a-0000-4000-8000-00000000000{i}" for i in range(4)]
+
+
+@pytest.fixture
+def ray_with_four_gpus_named_by_uuid(local_ray):
+    """A local Ray whose node has 4 logical GPUs and a raylet that sees them by UUID (CUDA_VISIBLE_DEVICES), as on a
+    node that names its GPUs: Ray's GPU ids are then the UUIDs."""
+    local_ray.stop()
+    before = os.environ.get(VISIBLE_DEVICES)
+    os.environ[VISIBLE_DEVICES] = ",".join(NODE_GPUS)  # the raylet and its workers inherit it
+    try:
+        start_local_ray(num_cpus=4, num_gpus=4, namespace=NAMESPACE, include_dashboard=False,
+                        logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    finally:
+        if before is None:
+            del os.environ[VISIBLE_DEVICES]  # this process's own CUDA must not see the made-up GPUs
+        else:
+            os.environ[VISIBLE_DEVICES] = before
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.usefixtures("ray_with_four_gpus_named_by_uuid")
+def test_every_gpu_worker_sees_its_nodes_gpus_and_binds_the_one_ray_assigned_it_also_a_replacement():
+    """Ray 2.60 narrows a GPU actor's CUDA_VISIBLE_DEVICES to its own GPU unless its process has
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (worker_runtime_env sets it): then every worker, a replacement
+    started after its peers too, sees the node's GPUs and binds its own by position. scaling.worker_env reaches it."""
+    environment = worker_runtime_env(ScalingConfig(use_gpu=True, worker_env={"NCCL_DEBUG": "INFO"}))
+    probes = [_GpuWorkerProbe.options(runtime_env=environment).remote() for _ in range(3)]
+    seen = ray.get([probe.binding.remote() for probe in probes], timeout=300)
+    for binding in seen:
+        assert binding["visible"] == ",".join(NODE_GPUS)  # all the node's GPUs, its peers' included
+        assert binding["index"] == NODE_GPUS.index(binding["assigned"][0])
+        assert binding["nccl_debug"] == "INFO"
+    assert len({binding["index"] for binding in seen}) == 3
+
+    ray.kill(probes[1])  # a lost worker: its replacement takes the GPU it leaves, or the free one
+    replacement = _GpuWorkerProbe.options(runtime_env=environment).remote()
+    joined = ray.get(replacement.binding.remote(), timeout=300)
+    assert joined["visible"] == ",".join(NODE_GPUS)
+    assert joined["index"] not in {seen[0]["index"], seen[2]["index"]}
+    assert joined["index"] == NODE_GPUS.index(joined["assigned"][0])
+
+    ray.kill(probes[0])
+    narrowed = ray.get(_GpuWorkerProbe.options(runtime_env=TRAINS).remote().binding.remote(), timeout=300)
+    assert narrowed["visible"] == narrowed["assigned"][0] and narrowed["index"] == 0  # Ray's default: its GPU only

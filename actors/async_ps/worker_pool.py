@@ -14,7 +14,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylastic.actors.async_ps.worker import AsyncWorkerActor, AsyncWorkerSpec
-from raylastic.actors.processes.setup_hook import TRAINS
+from raylastic.actors.processes.setup_hook import worker_runtime_env
 from raylastic.actors.worker_group.placement import ReservedBundles
 from raylastic.jobconfig import JobConfig
 
@@ -49,7 +49,7 @@ class WorkerPool:
         actor = AsyncWorkerActor.options(
             name=name, num_cpus=job.scaling.cpus_per_worker, num_gpus=1 if job.scaling.use_gpu else 0,
             resources=job.scaling.resources_per_worker or None, max_restarts=0, scheduling_strategy=self.place(index),
-            runtime_env=TRAINS,
+            runtime_env=worker_runtime_env(job.scaling),
         ).remote(spec, ray.get_runtime_context().current_actor)
         self.workers[name] = (index, actor, actor.run.remote())
         return name

@@ -16,6 +16,11 @@ keys, a Ray Tune trial that drives a run, a plain task, and the processes Ray st
 ahead of a first driver's tasks, which never host a worker (the workers' environment is ``TRAINS``). Ray merges a
 parent's env_vars into its children's, so an actor that trains sets ``TRAINS`` and a task started from one that
 trains nothing sets ``TRAINS_NOTHING``.
+
+A run's workers are all started in one environment, ``worker_runtime_env(scaling)``: ``TRAINS``, the user's
+scaling.worker_env, and for GPU workers ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` (every GPU worker sees its
+node's GPUs: strategies/device_binding.py). A process started ahead for them is started in the same environment
+(``ProcessStart.runtime_env``), so it is set when the process starts, before Ray places a GPU actor in it.
 """
 
 from __future__ import annotations
@@ -28,10 +33,13 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 
 from raylastic.actors.processes.priority import run_at_normal_priority
+from raylastic.jobconfig import ScalingConfig
+from raylastic.strategies.device_binding import NOSET_VISIBLE_DEVICES
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +68,13 @@ TRAINS = {"env_vars": {ROLE_VARIABLE: "trains"}}
 TRAINS_NOTHING = {"env_vars": {ROLE_VARIABLE: "trains nothing"}}
 """``.options(runtime_env=TRAINS_NOTHING)`` for an actor or task that trains nothing (the Controller, the rendezvous
 keys, a task started from a worker): its process skips these imports, whatever its parent's role."""
+
+
+def worker_runtime_env(scaling: ScalingConfig) -> dict[str, Any]:
+    """``.options(runtime_env=...)`` for the run's workers: ``TRAINS``, scaling.worker_env, and for GPU workers
+    the node's GPUs all visible (Ray leaves CUDA_VISIBLE_DEVICES as the node has it; each worker binds its own)."""
+    gpu = {NOSET_VISIBLE_DEVICES: "1"} if scaling.use_gpu else {}
+    return {"env_vars": {**scaling.worker_env, **gpu, **TRAINS["env_vars"]}}
 
 
 def import_training_modules() -> None:

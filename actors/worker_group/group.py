@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 
-from raylastic.actors.processes.setup_hook import Warmth
+from raylastic.actors.processes.setup_hook import Warmth, worker_runtime_env
 from raylastic.actors.processes.warm_processes import WarmProcesses
 from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process, call_off_generation
 from raylastic.actors.status.group import GroupStatus, LostWorker
@@ -109,7 +109,8 @@ class WorkerGroup:
                  else WorkerSlots(shape, job.name))
         membership = Membership(run_name=job.name, spec=spec, slots=slots, cpus=shape.cpus, gpus=shape.gpus,
                                 resources=shape.custom, warm=WarmProcesses() if scaling.warm_processes else None,
-                                max_start_failures=job.failure.max_start_failures)
+                                max_start_failures=job.failure.max_start_failures,
+                                runtime_env=worker_runtime_env(scaling))
         return cls(membership, collective_timeout_s=job.failure.collective_timeout_s,
                    step_timeout_s=job.failure.step_timeout_s, max_call_s=job.failure.max_step_s)
 

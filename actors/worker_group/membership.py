@@ -52,7 +52,9 @@ class Member:
 
 class Membership:
     def __init__(self, *, run_name: str, spec: WorkerSpec, slots: WorkerSlots | ReservedSlots, cpus: float, gpus: int,
-                 resources: dict[str, float], warm: WarmProcesses | None = None, max_start_failures: int = 3) -> None:
+                 resources: dict[str, float], warm: WarmProcesses | None = None, max_start_failures: int = 3,
+                 runtime_env: dict[str, Any] = TRAINS) -> None:
+        """``runtime_env``: the workers' (setup_hook.worker_runtime_env), one for all of them."""
         self.run_name = run_name
         self.max_start_failures = max_start_failures
         self.start_failures: list[StartFailure] = []
@@ -62,7 +64,7 @@ class Membership:
         self.slots = slots
         self.warm = warm
         self._actor_options = dict(num_cpus=cpus, num_gpus=gpus, resources=resources or None, max_restarts=0,
-                                   max_concurrency=2)
+                                   max_concurrency=2, runtime_env=runtime_env)
         self.members: list[Member] = []
         self.joining: list[Member] = []
         self.spares: list[Member] = []
@@ -88,8 +90,7 @@ class Membership:
             self._spawned += 1
             name = worker_name(self.run_name, self._spawned)
             actor = TrainWorkerActor.options(
-                name=name, scheduling_strategy=self.slots.scheduling(slot), runtime_env=TRAINS,
-                **self._actor_options).remote(self.spec)
+                name=name, scheduling_strategy=self.slots.scheduling(slot), **self._actor_options).remote(self.spec)
             started.append(Member(actor=actor, slot=slot, name=name, ready=actor.process_start.remote(),
                                   requested_at=time.time()))
         return started
