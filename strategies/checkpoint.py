@@ -86,11 +86,13 @@ class Checkpointer(CheckpointSettings):
         return settings if isinstance(settings, Checkpointer) else cls(**dataclasses.asdict(settings))
 
     def save(self, step: int, state_dict: dict[str, Any], *, strategy: str, world_size: int,
-             group: dist.ProcessGroup | None = None, layout: dict[str, int] | None = None) -> Future:
+             group: dist.ProcessGroup | None = None, layout: dict[str, int] | None = None,
+             asynchronous: bool | None = None) -> Future:
         """Collective: every rank writes its shard of ``state_dict`` and checksums the files it wrote; rank 0
         writes the manifest from every rank's list, then prunes. Returns a future that is done with the
-        checkpoint's directory when the checkpoint is complete (at once unless async). A failure raises
-        CheckpointWriteError here, or resolves the future with it, on every rank it reaches.
+        checkpoint's directory when the checkpoint is complete (at once unless async: ``asynchronous``, or
+        ``async_save`` when it is None). A failure raises CheckpointWriteError here, or resolves the future with
+        it, on every rank it reaches.
 
         Start the next save on ``group`` only after this one's future is done: completing it uses ``group``.
         """
@@ -107,7 +109,7 @@ class Checkpointer(CheckpointSettings):
                                       samples_consumed=step * self.global_batch_size,
                                       config_hash=self.config_hash, versions=_versions(), layout=layout or {})
         with _as_write_error(directory):
-            if not self.async_save:
+            if not (self.async_save if asynchronous is None else asynchronous):
                 dcp.save(state_dict, storage_writer=_writer(directory), process_group=group)
                 return _resolved(self._complete(directory, manifest, group))
             staged = dcp.async_save(state_dict, storage_writer=_writer(directory), process_group=group)

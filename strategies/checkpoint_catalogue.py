@@ -45,9 +45,16 @@ class CheckpointSettings:
     config_hash: str
     global_batch_size: int
     async_save: bool = False
+    step_multiple: int = 1
+    """Every checkpoint's step is a multiple of this (strategy.sync_every under diloco: only after an outer step
+    do the ranks hold the same parameters)."""
 
     def due(self, step: int) -> bool:
         return self.every_steps > 0 and step % self.every_steps == 0
+
+    def may_save_at(self, step: int) -> bool:
+        """Whether a checkpoint asked for at any time (a time-based one) may be taken after ``step``."""
+        return step % self.step_multiple == 0
 
     def directory(self, step: int) -> str:
         return f"{self.root.rstrip('/')}/step_{step:08d}"

@@ -1,8 +1,8 @@
-"""Sharded runs with the defaults (strategy.replicas 1, no periodic checkpoint) lose at most one step to a
-worker SIGKILLed from outside: its shard comes from its buddy's CPU copy (strategies/buddy_copy.py). With two
-copies the survivors' own shards suffice; a worker lost with its buddy sends the run to its newest checkpoint,
-and with none the run fails, saying so, rather than start over from step 0. The failure timeouts are the
-defaults.
+"""Sharded runs with the defaults (strategy.replicas 1, the buddy copy, a time-based checkpoint) lose at most one
+step to a worker SIGKILLed from outside: its shard comes from its buddy's CPU copy (strategies/buddy_copy.py). With
+two copies the survivors' own shards suffice; a worker lost with its buddy sends the run to its newest checkpoint
+(checkpoint.every_steps, or the default's checkpoint.every_minutes), and with none the run fails, saying so, rather
+than start over from step 0. The failure timeouts are the defaults.
 
     python -m pytest tests/test_sharded_recovery.py -q     # about 2 minutes on 2 cores
 """
@@ -10,11 +10,14 @@ defaults.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
-from raylastic.actors.status.run import RunFailed
+from raylastic.actors.controller.run_checkpoints import default_checkpoint_root
+from raylastic.actors.status.run import RunFailed, RunStatus
 from raylastic.cluster.job import train
+from raylastic.strategies.checkpoint_catalogue import complete_checkpoints
 from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import REORDERED_SUMS_ATOL, assert_states_close, job, load_model, sigkill_ranks_once
 from tests.support.strategy_runs import train_job_alone
@@ -82,11 +85,41 @@ def test_a_worker_lost_with_its_buddy_sends_the_run_to_its_newest_checkpoint(tmp
     assert restored.step == max(saved_before), (saved_before, restored)  # the newest one
 
 
+def after_a_checkpoint(on_progress: Callable[[RunStatus], None]) -> Callable[[RunStatus], None]:
+    """``on_progress``, from the first progress that has seen a checkpoint written on."""
+    written = []
+
+    def wrapped(progress: RunStatus) -> None:
+        written.extend(e for e in progress.events if e.type == "checkpointed")
+        if written:
+            on_progress(progress)
+
+    return wrapped
+
+
+def test_a_zero3_worker_lost_with_its_buddy_resumes_from_the_time_based_checkpoint_of_the_defaults(tmp_path):
+    """checkpoint.every_minutes is the one setting changed (0.3 s, so that a checkpoint comes within the test); the
+    pair is killed once one has been written (its 150 steps take 1.5 s at least: the workload's pause)."""
+    steps = 150
+    on_progress, killed = sigkill_ranks_once(1, (1, 2))  # rank 2 holds rank 1's copy
+    config = sharded_job("timed", "zero3", "checkpoint.every_minutes=0.005", f"training.steps={steps}",
+                         "scaling.min_workers=2", workers=4)
+    result = train(config, run_dir=tmp_path, on_progress=after_a_checkpoint(on_progress))
+    failed = next(i for i, e in enumerate(result.events) if e.type == "worker_failed")
+    formed = next(i for i, e in enumerate(result.events) if i > failed and e.type == "generation_formed")
+    restored = result.events[formed]
+    saved_before = [e.step for e in result.events[:formed] if e.type == "checkpointed"]
+    assert killed and result.final_step == steps, restored
+    assert restored.details["state_source"] == "checkpoint" and restored.step in saved_before, (saved_before, restored)
+    kept = complete_checkpoints(default_checkpoint_root(tmp_path))
+    assert 1 <= len(kept) <= config.checkpoint.num_to_keep, kept  # pruned as checkpoint.every_steps' are
+
+
 def test_a_worker_lost_with_its_buddy_and_no_checkpoint_fails_the_run_saying_why(tmp_path):
     on_progress, killed = sigkill_ranks_once(KILL_AT, (1, 2))
     with pytest.raises(RunFailed, match=r"sharded state of step \d+ is lost: a worker and its buddy") as failure:
-        train(sharded_job("pairnone", "zero2", "scaling.min_workers=2", workers=4), run_dir=tmp_path,
-              on_progress=on_progress)
+        train(sharded_job("pairnone", "zero2", "scaling.min_workers=2", "checkpoint.every_minutes=0", workers=4),
+              run_dir=tmp_path, on_progress=on_progress)
     result = json.loads((tmp_path / "result.json").read_text())
     assert killed and result["status"] == "failed" and "start over from step 0" in result["error"], failure.value
     types = [e["type"] for e in result["events"]]

@@ -42,7 +42,7 @@ from raylastic.actors.controller.policies import (
     needs_checkpoint_lookup,
 )
 from raylastic.actors.controller.poll_intake import Progress, take_in
-from raylastic.actors.controller.run_checkpoints import ForeignCheckpoint, RunCheckpoints
+from raylastic.actors.controller.run_checkpoints import ForeignCheckpoint, RunCheckpoints, checkpoint_settings
 from raylastic.actors.controller.run_log import RunLog
 from raylastic.actors.controller.run_metrics import RunMetrics
 from raylastic.actors.controller.share_book import ShareBook
@@ -63,6 +63,7 @@ from raylastic.actors.controller.states import (
     ending,
     stops_at_once,
 )
+from raylastic.actors.controller.timed_checkpoints import TimedCheckpoints
 from raylastic.actors.faults.plan import FaultPlan
 from raylastic.actors.processes.priority import run_at_normal_priority
 from raylastic.actors.status.group import Failure, GroupStatus, JobError, LostWorker, WorkersLost
@@ -71,7 +72,7 @@ from raylastic.actors.worker_group.group import MemberRaised, MembersFailed, Wor
 from raylastic.actors.worker_group.membership import WorkersCannotStart
 from raylastic.actors.worker_group.placement import ReservedBundles
 from raylastic.jobconfig import JobConfig
-from raylastic.strategies.checkpoint_catalogue import Checkpoint, CheckpointSettings
+from raylastic.strategies.checkpoint_catalogue import Checkpoint
 from raylastic.strategies.checkpoint_manifest import read_manifest
 
 logger = logging.getLogger(__name__)
@@ -97,11 +98,8 @@ class Controller:
         self.policies = policies or RunPolicies.for_job(job)
         self.faults = FaultPlan(job.faults)
         if group is None:
-            checkpointer = CheckpointSettings(root=checkpoint_root, every_steps=job.checkpoint.every_steps,
-                                        num_to_keep=job.checkpoint.num_to_keep, config_hash=job.math_hash(),
-                                        global_batch_size=job.training.global_batch_size,
-                                        async_save=job.checkpoint.async_save)
-            group = WorkerGroup.for_job(job, checkpointer, reserved=reserved, profile_dir=profile_dir)
+            group = WorkerGroup.for_job(job, checkpoint_settings(job, checkpoint_root), reserved=reserved,
+                                        profile_dir=profile_dir)
         self.group = group
         self.state: RunState = Placing()
         self.step = 0
@@ -115,8 +113,9 @@ class Controller:
                                  note=self.checkpoints.note)
         self.training_progress = Progress(self.step)
         """The training generation's committed step and open recovery, as its polls bring them in."""
+        self.timed_checkpoints = TimedCheckpoints(self.group, every_minutes=job.checkpoint.every_minutes)
         self.poll_observers: tuple[Callable[[GroupStatus, int], None], ...] = (
-            self.shares.observe, self.drains.observe, self.staffing.observe)
+            self.shares.observe, self.drains.observe, self.staffing.observe, self.timed_checkpoints.observe)
         """What every poll of a training generation goes to, after the run's log and metrics."""
         self._actions = {Placing: self._place, Forming: self._form, Running: self._train, Resizing: self._resize,
                          Recovering: self._recover, WaitingForWorkers: self._wait_for_workers,

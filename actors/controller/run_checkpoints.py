@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from raylastic.actors.controller.run_log import RunLog
-from raylastic.strategies.checkpoint_catalogue import Checkpoint, Rejected, newest_complete
+from raylastic.jobconfig import JobConfig
+from raylastic.strategies.checkpoint_catalogue import Checkpoint, CheckpointSettings, Rejected, newest_complete
 
 
 class ForeignCheckpoint(ValueError):
@@ -72,8 +73,19 @@ class RunCheckpoints:
         """Where the last checkpoint is, for the end of an error message."""
         found = newest_complete(self.root, skip=self.rejected)[0]
         if found is None:
-            return "; no checkpoint was written yet (checkpoint.every_steps)"
+            return "; no checkpoint was written yet (checkpoint.every_steps, checkpoint.every_minutes)"
         return f"; last checkpoint: {found.path} (step {found.manifest.step})"
+
+def checkpoint_settings(job: JobConfig, root: str) -> CheckpointSettings:
+    """Where and when ``job``'s training generations save: every ``checkpoint.every_steps`` steps, and a
+    time-based checkpoint (asked for by actors/controller/timed_checkpoints.py) at a step a multiple of
+    ``strategy.sync_every`` under diloco, of any step otherwise."""
+    checkpoint = job.checkpoint
+    return CheckpointSettings(root=root, every_steps=checkpoint.every_steps, num_to_keep=checkpoint.num_to_keep,
+                              config_hash=job.math_hash(), global_batch_size=job.training.global_batch_size,
+                              async_save=checkpoint.async_save,
+                              step_multiple=job.strategy.sync_every if job.strategy.name == "diloco" else 1)
+
 
 def default_checkpoint_root(run_dir: str | Path) -> str:
     return str(Path(run_dir).resolve() / "checkpoints")

@@ -138,6 +138,9 @@ class TrainWorkerProcess:
     def request_stop(self) -> None:
         return self.worker.request_stop()
 
+    def request_checkpoint(self, number: int) -> None:
+        return self.worker.request_checkpoint(number)
+
     def poll(self, wait_s: float = 0.0, seen: int = -1) -> Any:
         """The worker's WorkerStatus (actors/worker/mailbox.py)."""
         return self.worker.status.poll(wait_s, seen)

@@ -9,6 +9,7 @@ and the next save tries again)::
     saver = AsyncSaver(checkpointer, strategy=strategy, scaler=None, status=status)
     saver.attach(state, checkpoint_group)  # after joining a generation
     saver.after_step(step)                 # in the step loop: starts a save when checkpoint.every_steps says
+    saver.after_step(step, asked=True)     # ... or a time-based one the ranks voted for (always in the background)
     path = saver.save_now(step)            # collective: this step's checkpoint, written once
     saver.detach()                         # before leaving the generation
 """
@@ -51,6 +52,8 @@ class AsyncSaver:
         """The save not yet waited for."""
         self._last: _Save | None = None
         """This generation's newest save, which ``save_now`` of the same step reuses."""
+        self._asked = False
+        """A time-based save was voted for and waits for a step the checkpoint settings allow."""
 
     def attach(self, state: TrainState, group: dist.ProcessGroup, layout: ParallelLayout | None = None) -> None:
         """Save ``state`` from now on, writing on ``group`` (the generation's gloo group); ``layout``: the
@@ -60,14 +63,19 @@ class AsyncSaver:
     def detach(self) -> None:
         """Let a save in flight end, then forget the generation: its state and group must be collectable."""
         self.wait()
-        self._last = None
+        self._last, self._asked = None, False
         self._state, self._group, self._layout = None, None, None
 
-    def after_step(self, step: int) -> None:
-        """Start the periodic save of ``step`` if one is due, once the previous one has ended."""
-        if self.checkpointer.due(step):
+    def after_step(self, step: int, *, asked: bool = False) -> None:
+        """Start the periodic save of ``step`` if one is due, once the previous one has ended. ``asked``: the
+        ranks voted for a time-based save after this step (the same on every rank); it is taken at the first step
+        from here that the settings allow (``may_save_at``), in the background whatever checkpoint.async_save."""
+        self._asked = self._asked or asked
+        timed = self._asked and self.checkpointer.may_save_at(step)
+        if timed or self.checkpointer.due(step):
             self.wait()
-            self._start(step)
+            self._start(step, asynchronous=True if timed else None)
+            self._asked = False
 
     def save_now(self, step: int) -> str:
         """Collective: write ``step``'s checkpoint now (unless the loop already did) and wait for it."""
@@ -88,14 +96,16 @@ class AsyncSaver:
                 pass
             self._pending = None
 
-    def _start(self, step: int, *, record: bool = True) -> Future:
-        """Start ``step``'s save; with ``record`` (a periodic save), rank 0 reports how it ended."""
+    def _start(self, step: int, *, record: bool = True, asynchronous: bool | None = None) -> Future:
+        """Start ``step``'s save; with ``record`` (a periodic save), rank 0 reports how it ended. ``asynchronous``:
+        in the background or not (None: as checkpoint.async_save says)."""
         started, reporter = time.perf_counter(), record and dist.get_rank() == 0
         try:
             future = self.checkpointer.save(
                 step, {**self.strategy.state_dict(self._state), **scaler_entries(self.scaler)},
                 strategy=self.strategy.name, world_size=dist.get_world_size(), group=self._group,
-                layout=dataclasses.asdict(self._layout) if self._layout is not None else None)
+                layout=dataclasses.asdict(self._layout) if self._layout is not None else None,
+                asynchronous=asynchronous)
         except CheckpointWriteError as error:  # every rank gets it: DCP gathers the ranks' write results
             future = Future()
             future.set_exception(error)

@@ -348,6 +348,10 @@ class TrainWorker:
         every rank stops after the same step."""
         self.loop.request_stop()
 
+    def request_checkpoint(self, number: int) -> None:
+        """Vote for the time-based checkpoint ``number``: every rank saves after the same step, in the background."""
+        self.loop.request_checkpoint(number)
+
     def save_checkpoint(self) -> str:
         """Collective: write this step's checkpoint now (unless the loop already did) and wait for it."""
         return self.saver.save_now(self.status.step)

@@ -379,6 +379,11 @@ class WorkerGroup:
         for member in self.membership.members:
             member.actor.request_stop.remote()
 
+    def request_checkpoint(self, number: int) -> None:
+        """Ask every member for the time-based checkpoint ``number`` (they vote; all save after the same step)."""
+        for member in self.membership.members:
+            member.actor.request_checkpoint.remote(number)
+
     def _status(self, members: tuple, news: tuple) -> GroupStatus:
         return GroupStatus(generation=self.generation, members=members, news=news,
                            errors_for_s=self._poller.errors_for_s(), num_joining=self.num_joining,
