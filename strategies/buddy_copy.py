@@ -38,7 +38,15 @@ import torch.distributed as dist
 from raylastic.strategies.base import Strategy, TrainState, scaler_entries
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.peer_restore import ShardCopy
-from raylastic.strategies.region_copy import KeptRegions, RegionPacker, region_packed_size, unpack_regions
+from raylastic.strategies.plain_objects import all_gather_plain
+from raylastic.strategies.region_copy import (
+    KeptRegions,
+    RegionPacker,
+    entries_from_plain,
+    plain_entries,
+    region_packed_size,
+    unpack_regions,
+)
 from raylastic.strategies.region_plan import RegionCopy
 from raylastic.strategies.shard_copy import (
     KeptShards,
@@ -207,9 +215,8 @@ class RegionBuddyCopies(BuddyCopies):
 
     def _new_packer(self, flat: dict[str, torch.Tensor]) -> RegionPacker:
         packer = RegionPacker(flat)
-        everyone: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(everyone, packer.entries, group=self.group)
-        self._left = everyone[self.left.rank]
+        everyone = all_gather_plain(plain_entries(packer.entries), group=self.group)
+        self._left = entries_from_plain(everyone[self.left.rank])
         return packer
 
     def _received_size(self, packer: RegionPacker) -> int:

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from raylastic.strategies.base import Strategy, TrainState, init_optimizer_state
+from raylastic.strategies.plain_objects import all_gather_plain, dtype_name, dtype_of
 from raylastic.strategies.region_plan import Piece, RegionCopy, RegionRestorePlan, RestoreTraffic
 from raylastic.strategies.shard_copy import PACK_ALIGNMENT
 
@@ -65,8 +66,8 @@ def restore_regions(kept: list[KeptRegions], plan: RegionRestorePlan, strategy: 
     offered = {piece: {key: region for key, (region, _) in mine[piece].parts.items()}
                for piece, sender in plan.senders.items() if sender == rank}
     needed = {key: _local_part(value)[0] for key, value in live.items()}
-    views = [None] * dist.get_world_size(group)
-    dist.all_gather_object(views, (offered, needed, sorted(mine)), group=group)
+    views = [_view_from_plain(view) for view in all_gather_plain(_plain_view(offered, needed, sorted(mine)),
+                                                                   group=group)]
     regions = {piece: parts for offered_by, _, _ in views for piece, parts in offered_by.items()}
     transfers = _transfers(plan, regions, [(need, set(held)) for _, need, held in views])
     assembled = {key: torch.empty(region[1], dtype=live[key].dtype) for key, region in needed.items()}
@@ -141,6 +142,47 @@ def unpack_regions(entries: dict[str, tuple[Region, torch.dtype, int]], buffer: 
     """A packed buffer as KeptRegions' parts (views of ``buffer``, no copy)."""
     return {key: (region, buffer[offset:offset + math.prod(region[1]) * dtype.itemsize].view(dtype).view(region[1]))
             for key, (region, dtype, offset) in entries.items()}
+
+
+def plain_entries(entries: dict[str, tuple[Region, torch.dtype, int]]) -> dict[str, list]:
+    """A RegionPacker's ``entries`` as JSON (strategies/plain_objects.py), to tell the other ranks."""
+    return {key: [*_plain_region(region), dtype_name(dtype), offset]
+            for key, (region, dtype, offset) in entries.items()}
+
+
+def entries_from_plain(plain: dict[str, list]) -> dict[str, tuple[Region, torch.dtype, int]]:
+    """``plain_entries``' inverse."""
+    return {key: (_region_from_plain(at, shape), dtype_of(dtype), int(offset))
+            for key, (at, shape, dtype, offset) in plain.items()}
+
+
+def _plain_view(offered: dict[Piece, dict[str, Region]], needed: dict[str, Region], held: list[Piece]) -> dict:
+    """What a rank tells the others before a restore, as JSON: the pieces it sends (their regions), the regions it
+    needs, the pieces it holds."""
+    return {"offered": [[list(piece), {key: _plain_region(region) for key, region in parts.items()}]
+                        for piece, parts in offered.items()],
+            "needed": {key: _plain_region(region) for key, region in needed.items()},
+            "held": [list(piece) for piece in held]}
+
+
+def _view_from_plain(view: dict) -> tuple[dict[Piece, dict[str, Region]], dict[str, Region], list[Piece]]:
+    offered = {_piece(piece): {key: _region_from_plain(*region) for key, region in parts.items()}
+               for piece, parts in view["offered"]}
+    return (offered, {key: _region_from_plain(*region) for key, region in view["needed"].items()},
+            [_piece(piece) for piece in view["held"]])
+
+
+def _plain_region(region: Region) -> list[list[int]]:
+    return [list(region[0]), list(region[1])]
+
+
+def _region_from_plain(at: list, shape: list) -> Region:
+    return tuple(int(i) for i in at), tuple(int(n) for n in shape)
+
+
+def _piece(plain: list) -> Piece:
+    pp, dp_shard, tp = (int(i) for i in plain)
+    return pp, dp_shard, tp
 
 
 def _transfers(plan: RegionRestorePlan, regions: dict[Piece, dict[str, Region]],

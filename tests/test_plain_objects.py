@@ -1,5 +1,6 @@
 """Plain values between ranks (strategies/plain_objects.py): JSON in tensors over real gloo groups, and whole runs -
-a hand-over, a peer restore from buddy copies, checkpoints - in which no rank sends a pickle."""
+a hand-over, a peer restore from buddy copies, a re-plan of model-parallel parts, checkpoints, the final model of a
+pipeline - in which no rank sends a pickle, over every layout."""
 
 from __future__ import annotations
 
@@ -10,9 +11,18 @@ import torch
 import torch.distributed as dist
 
 from raylastic.cluster.job import train
-from raylastic.strategies.plain_objects import all_gather_plain, broadcast_plain, dtype_name, dtype_of
+from raylastic.strategies.plain_objects import (
+    PlainValueTooLong,
+    all_gather_plain,
+    all_gather_tensors,
+    broadcast_plain,
+    dtype_name,
+    dtype_of,
+)
+from raylastic.workloads import load_workload
 from tests.support.distributed_harness import run_distributed
-from tests.support.helpers import job
+from tests.support.helpers import job, load_model
+from tests.support.strategy_runs import TINY_GPT_OPTIONS
 
 SENT = {"step": 7, "shape": [3, 4], "dtype": "bfloat16", "scale": 65536.0, "inf": math.inf, "none": None,
         "text": "naïve ✓", "nested": [{"a": [1.5, -2]}]}
@@ -51,15 +61,70 @@ def test_dtype_names_round_trip():
         dtype_of("nn")
 
 
+RUNS = {  # a run per layout, each losing rank 1 at step 8 and taking the state back from the survivor's memory
+    "ddp": ("tests.support.user_workload:PickleFreeDigits", "strategy.name=ddp"),
+    "zero1": ("tests.support.user_workload:PickleFreeDigits", "strategy.name=zero1"),
+    "zero2": ("tests.support.user_workload:PickleFreeDigits", "strategy.name=zero2"),
+    "zero3": ("tests.support.user_workload:PickleFreeDigits", "strategy.name=zero3"),
+    "tp": ("tests.support.user_workload:PickleFreeCharGPT", TINY_GPT_OPTIONS, "parallel.tp=2", "strategy.name=zero3"),
+    "pp": ("tests.support.user_workload:PickleFreeCharGPT", TINY_GPT_OPTIONS, "parallel.pp=2", "strategy.name=ddp"),
+}
+
+
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_a_run_with_a_kill_and_checkpoints_sends_no_pickle(tmp_path, strategy):
-    """ddp: the replacement receives the state by hand-over; zero3: the lost shards come from buddy copies."""
-    result = train(job("workload.name=tests.support.user_workload:PickleFreeDigits", f"strategy.name={strategy}",
-                       "checkpoint.every_steps=5", "faults=[{action: kill, rank: 1, step: 8}]",
-                       name=f"no-pickle-{strategy}"), run_dir=tmp_path)
+@pytest.mark.parametrize("layout", RUNS)
+def test_a_run_with_a_kill_and_checkpoints_sends_no_pickle(tmp_path, layout):
+    """ddp: the replacement receives the state by hand-over; zero1-3: the lost shards come from buddy copies; tp, pp:
+    every generation tells its buddies what its parts hold, the re-formed one is re-planned from the parts the
+    survivor kept and its buddy copy (strategies/region_copy.py), and under pp the final model.pt is gathered from
+    the stages."""
+    workload, *overrides = RUNS[layout]
+    disturbed = job(f"workload.name={workload}", *overrides, "checkpoint.every_steps=5", "scaling.min_workers=2",
+                    "faults=[{action: kill, rank: 1, step: 8}]", name=f"no-pickle-{layout}")
+    result = train(disturbed, run_dir=tmp_path)
     assert result.final_step == 20
     assert sum(event.type == "worker_failed" for event in result.events) == 1
     formed = [event.details for event in result.events if event.type == "generation_formed"]
-    handed_over_by_a_rank = isinstance(formed[-1]["state_source"], int)  # ddp: that rank broadcast its state
-    assert handed_over_by_a_rank if strategy == "ddp" else formed[-1]["state_source"] == "buddy", formed
+    assert len(formed) == 2, formed
+    if layout == "ddp":
+        assert isinstance(formed[-1]["state_source"], int), formed  # that rank broadcast its state
+    else:
+        assert formed[-1]["state_source"] in {"buddy", "peers"}, formed
+    if layout == "pp":
+        assert formed[-1]["layout"] == "pp2", formed
+        whole = load_workload("chargpt", disturbed.workload.options).build_model().state_dict()
+        assert load_model(tmp_path).keys() == whole.keys()  # both stages' parts, gathered as tensors
+
+
+def _announce_too_much(operation: str) -> str:
+    """Rank 1 announces a value longer than the bound: every rank refuses it before the bytes travel."""
+    rank = dist.get_rank()
+    try:
+        if operation == "broadcast":
+            broadcast_plain("x" * 100 if rank == 1 else None, src=1, max_bytes=64)
+        else:
+            all_gather_plain("x" * 100 if rank == 1 else "", max_bytes=64)
+    except PlainValueTooLong as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize("operation", ["broadcast", "all_gather"])
+def test_a_value_longer_than_the_bound_is_refused_on_every_rank_unallocated(operation):
+    for error in run_distributed(_announce_too_much, 2, operation):
+        assert error == "group rank 1 announced a plain value of 102 bytes; at most 64 are accepted (max_bytes), " \
+                        "so it was refused unread"
+
+
+def _gather_stages(_: None) -> list[dict[str, torch.Tensor]]:
+    rank = dist.get_rank()
+    return all_gather_tensors({f"stage{rank}.w": torch.full((rank + 1, 2), float(rank)),
+                               f"stage{rank}.n": torch.tensor([rank], dtype=torch.int64)})
+
+
+def test_tensors_gathered_by_name_arrive_whole_with_their_dtypes():
+    for gathered in run_distributed(_gather_stages, 2, None):
+        for rank, stage in enumerate(gathered):
+            assert stage.keys() == {f"stage{rank}.w", f"stage{rank}.n"}
+            assert torch.equal(stage[f"stage{rank}.w"], torch.full((rank + 1, 2), float(rank)))
+            assert torch.equal(stage[f"stage{rank}.n"], torch.tensor([rank], dtype=torch.int64))

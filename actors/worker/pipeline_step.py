@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -30,6 +29,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from raylastic.actors.worker.stage_meta import PlainMetaStage
 from raylastic.actors.worker.step import seed_rng, step_seed
 from raylastic.jobconfig import ParallelConfig
 from raylastic.strategies.model_parts import ModelParts
@@ -42,7 +42,7 @@ ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """The schedules that take one stage (the others a list of a rank's stages)."""
 
 
-class SeededStage(PipelineStage):
+class SeededStage(PlainMetaStage):
     """A stage that seeds the RNG before each micro-batch's forward from ``chunk_seed(micro-batch index)``, after
     calling ``before_chunk`` (the step hooks')."""
 

@@ -65,7 +65,7 @@ from raylastic.strategies.group_connections import GroupConnections
 from raylastic.strategies.model_parts import canonical_name
 from raylastic.strategies.parallel_mesh import ParallelMesh, parallel_mesh
 from raylastic.strategies.peer_restore import PeerRestorePlan
-from raylastic.strategies.plain_objects import all_gather_plain
+from raylastic.strategies.plain_objects import all_gather_plain, all_gather_tensors
 from raylastic.strategies.process_group import choose_backend, choose_device, join_group, leave_group
 from raylastic.strategies.region_copy import KeptRegions, keep_regions, restore_regions
 from raylastic.strategies.region_plan import RegionCopy, RegionRestorePlan, RestoreTraffic
@@ -366,9 +366,8 @@ class TrainWorker:
             tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             if keep or staged:
                 full[canonical_name(name)] = tensor.detach().cpu().clone()
-        if staged:
-            stages: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(self.runner.pipeline.group)
-            dist.all_gather_object(stages, full, group=self.runner.pipeline.group)
+        if staged:  # tensors as tensors, their names and shapes as JSON: nothing a peer sends is unpickled
+            stages = all_gather_tensors(full, group=self.runner.pipeline.group, device=self.device)
             full = {name: tensor for stage in stages for name, tensor in stage.items()}
         return full if keep else None
 

@@ -98,30 +98,45 @@ class SmoothDigits(Digits):
         return torch.nn.Sequential(*(torch.nn.Tanh() if isinstance(m, torch.nn.ReLU) else m for m in model))
 
 
-class PickleFreeDigits(Digits):
-    """The digits workload in processes where torch's object collectives (which unpickle what a peer sent) raise
-    unless DCP calls them (its save and load plans travel as pickles, torch's own): a run of it shows that our
+def refuse_object_collectives() -> None:
+    """Make torch's object collectives (which unpickle what a peer sent) raise in this process unless DCP calls
+    them (its save and load plans travel as pickles, torch's own): a run whose workers call this shows that our
     code sends plain values only (strategies/plain_objects.py)."""
+    import sys
+
+    import torch.distributed.distributed_c10d as c10d
+
+    def outside_dcp(original):
+        def call(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and "torch/distributed/checkpoint/" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is None:
+                raise AssertionError("a Python object was sent over a process group as a pickle")
+            return original(*args, **kwargs)
+        return call
+
+    if not getattr(c10d._tensor_to_object, "refused", False):  # every *_object* collective goes through these two
+        for name in ("_object_to_tensor", "_tensor_to_object"):
+            refused = outside_dcp(getattr(c10d, name))
+            refused.refused = True
+            setattr(c10d, name, refused)
+
+
+class PickleFreeDigits(Digits):
+    """The digits workload in processes where torch's object collectives raise (``refuse_object_collectives``)."""
 
     def __init__(self) -> None:
-        import sys
-
-        import torch.distributed.distributed_c10d as c10d
-
-        def outside_dcp(original):
-            def call(*args, **kwargs):
-                frame = sys._getframe(1)
-                while frame is not None and "torch/distributed/checkpoint/" not in frame.f_code.co_filename:
-                    frame = frame.f_back
-                if frame is None:
-                    raise AssertionError("a Python object was sent over a process group as a pickle")
-                return original(*args, **kwargs)
-            return call
-
-        # every *_object* collective goes through these two
-        c10d._object_to_tensor = outside_dcp(c10d._object_to_tensor)
-        c10d._tensor_to_object = outside_dcp(c10d._tensor_to_object)
+        refuse_object_collectives()
         super().__init__()
+
+
+class PickleFreeCharGPT(CharGPT):
+    """chargpt (tp, pp) in processes where torch's object collectives raise (``refuse_object_collectives``)."""
+
+    def __init__(self, **options) -> None:
+        refuse_object_collectives()
+        super().__init__(**options)
 
 
 class CharGPTSlowWhileSmall(CharGPT):
