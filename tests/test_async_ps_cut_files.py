@@ -137,3 +137,27 @@ def test_a_restore_refuses_a_named_pipe_or_a_file_that_is_not_a_servers_at_once(
     torch.save(server_file(config_hash="h", version=2, params={"0.weight": torch.zeros(1)}), file)
     with pytest.raises(UnreadableCheckpoint, match=r"ps_00000002 does not hold '0.weight' as this model has it"):
         fresh.restore(4, cut, "0d")
+
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_run_whose_newest_cut_holds_a_named_pipe_rejects_it_and_goes_on_without_it(tmp_path):
+    """A FIFO planted as the newest cut's file made every restore wait on it until scaling.placement_timeout_s, and
+    the same cut was tried again until failure.max_failures: now it is a checkpoint_rejected event naming it, and
+    the run takes the cut before (here none: it starts afresh) and finishes."""
+    from raylastic.cluster.job import train
+    from tests.support.helpers import job
+
+    root = tmp_path / "checkpoints"
+    (root / "ps_00000020").mkdir(parents=True)
+    fifo = root / "ps_00000020" / "server_0_of_1.ffffffffffffffff.pt"
+    os.mkfifo(fifo)
+    config = job("training.steps=10", "strategy.name=async_ps", "strategy.server_cpus=0.5", f"checkpoint.path={root}",
+                 "scaling.placement_timeout_s=60", "failure.max_failures=1", name="ps-fifo")
+    result = within_bound(lambda: train(config, run_dir=tmp_path / "run"), fifo)
+    assert not isinstance(result, Exception), result
+    [rejected] = [e for e in result.events if e.type == "checkpoint_rejected"]
+    assert rejected.details["path"] == str(root / "ps_00000020")
+    assert "server_0_of_1.ffffffffffffffff.pt is a named pipe (FIFO)" in rejected.details["reason"]
+    assert [e.details["state_source"] for e in result.events if e.type == "generation_formed"] == ["start"]
+    assert result.final_step == 10
