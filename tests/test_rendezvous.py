@@ -13,8 +13,11 @@ import torch.distributed as dist
 
 from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process
 from raylastic.actors.rendezvous.store import RPC_MARGIN_S, RayStore
+from raylastic.actors.worker_group.group import WorkerGroup
+from raylastic.strategies.checkpoint_catalogue import CheckpointSettings
 from raylastic.strategies.group_assignment import GroupAssignment, new_store_prefix
 from raylastic.strategies.process_group import join_group, leave_group
+from tests.support.helpers import job
 from tests.support.process_imports import training_imports
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -119,6 +122,16 @@ def test_a_called_off_generation_ends_its_waits_at_once_and_leaves_the_others_al
     assert store.get("run/generation/10/0") == b"x"
 
 
+def test_forgetting_the_generations_before_one_keeps_it_the_later_ones_and_other_keys(keys):
+    for key in ("run/generation/1/0", "run/generation/1/1", "run/generation/2/0", "run/generation/10/0",
+                "other/generation/1/0", "run/x"):
+        ray.get(keys.set.remote(key, b"v"), timeout=60)
+    ray.get(keys.abort.remote("run/generation/1"), timeout=60)
+    assert ray.get(keys.forget_generations_before.remote("run", 10), timeout=60) == 3
+    assert ray.get(keys.list_keys.remote(), timeout=60) == ["other/generation/1/0", "run/generation/10/0", "run/x"]
+    assert ray.get(keys.get.remote("run/generation/1/0", timeout_s=0.1), timeout=60) is None  # its mark went too
+
+
 @ray.remote(num_cpus=0)
 def store_wait(actor, key: str) -> None:
     RayStore(actor, timeout=timedelta(seconds=120)).wait([key])
@@ -155,3 +168,33 @@ def test_generations_form_through_the_store_only_under_the_runs_random_prefix(ke
     listed = ray.get(keys.list_keys.remote())
     assert listed and all(key.startswith((f"{prefix}/generation/3/", f"{prefix}/generation/4/")) for key in listed)
     assert len(prefix) == 32 and new_store_prefix() != prefix
+
+
+def test_a_run_stores_one_generations_keys_however_many_generations_it_formed(tmp_path):
+    """A WorkerGroup forms generation after generation in the same processes (as recoveries do): once one has
+    formed, the keys of those before it are gone, so the store stays at one generation's keys."""
+    config = job("scaling.min_workers=2", "scaling.max_workers=2", "scaling.warm_processes=false", name="keys")
+    group = WorkerGroup.for_job(config, CheckpointSettings(
+        root=str(tmp_path), every_steps=0, num_to_keep=1, config_hash=config.math_hash(),
+        global_batch_size=config.training.global_batch_size))
+    try:
+        assert group.place(max_workers=2, min_workers=2, timeout_s=120) == []
+        counts = []
+        for _ in range(4):
+            group.form(run_step=0)
+            counts.append(len(keys_once_older_ones_are_gone(group.store, f"{group.store_prefix}/generation/",
+                                                            group.generation)))
+        assert counts[0] > 0 and counts == counts[:1] * 4, counts
+    finally:
+        group.shutdown()
+
+
+def keys_once_older_ones_are_gone(keys, generations: str, newest: int, timeout_s: float = 30.0) -> list[str]:
+    """The store's keys once every one is of generation ``newest`` (``<generations><newest>/...``); the ones there
+    at ``timeout_s`` otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = ray.get(keys.list_keys.remote(), timeout=60)
+        if all(key.startswith(f"{generations}{newest}/") for key in listed) or time.monotonic() > deadline:
+            return listed
+        time.sleep(0.2)

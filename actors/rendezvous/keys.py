@@ -9,7 +9,8 @@ here listens on a port of its own.
 The semantics are TCPStore's: values are bytes, ``add`` keeps a decimal counter, ``compare_set`` on a
 missing key sets it only when ``expected`` is empty. Waits end at their timeout with None, never
 later; the caller turns that into torch's ``DistStoreError``. ``abort`` ends every wait on a generation's
-keys at once (RendezvousAborted), which the caller turns into ``DistStoreError`` too. The actor is
+keys at once (RendezvousAborted), which the caller turns into ``DistStoreError`` too. Once a generation has
+formed, the keys of those before it are dropped (``forget_generations_before``). The actor is
 asynchronous, so any number of ranks may wait at once. It imports no torch: its process starts in about a second.
 
 Example::
@@ -94,6 +95,24 @@ class RendezvousKeysStore:
             return desired
         return expected if current is None else current
 
+    async def forget_generations_before(self, store_prefix: str, generation: int) -> int:
+        """Drop every key, and every called-off mark, of ``store_prefix``'s generations before ``generation`` (it
+        formed: their groups are gone), so a run's store holds about one generation's keys however many times it
+        recovers. Returns how many keys went."""
+        base = f"{store_prefix}/generation/"
+
+        def older(key: str) -> bool:
+            number = key[len(base):].split("/", 1)[0] if key.startswith(base) else ""
+            return number.isdecimal() and int(number) < generation
+
+        async with self._changed:
+            gone = [key for key in self._values if older(key)]
+            for key in gone:
+                del self._values[key]
+            self._rank_keys = {parent: keys for parent, keys in self._rank_keys.items() if not older(parent)}
+            self._aborted = {prefix for prefix in self._aborted if not older(prefix)}
+        return len(gone)
+
     def check(self, keys: list[str]) -> bool:
         return all(key in self._values for key in keys)
 
@@ -141,6 +160,11 @@ def rank_key_parent(key: str) -> str | None:
 def call_off_generation(keys: Any, store_prefix: str, generation: int) -> None:
     """A member of the forming ``generation`` was lost: every wait on its keys in ``keys`` (the actor) ends now."""
     keys.abort.remote(generation_prefix(store_prefix, generation))
+
+
+def forget_generations_before(keys: Any, store_prefix: str, generation: int) -> None:
+    """``generation`` formed: the keys of the ones before it in ``keys`` (the actor) go."""
+    keys.forget_generations_before.remote(store_prefix, generation)
 
 
 RendezvousKeys = ray.remote(num_cpus=0, max_restarts=0)(RendezvousKeysStore)

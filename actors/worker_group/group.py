@@ -26,7 +26,12 @@ import ray
 
 from raylastic.actors.processes.setup_hook import Warmth, worker_runtime_env
 from raylastic.actors.processes.warm_processes import WarmProcesses
-from raylastic.actors.rendezvous.keys import RendezvousKeys, beside_this_process, call_off_generation
+from raylastic.actors.rendezvous.keys import (
+    RendezvousKeys,
+    beside_this_process,
+    call_off_generation,
+    forget_generations_before,
+)
 from raylastic.actors.status.group import GroupStatus, LostWorker
 from raylastic.actors.status.peer_loss import plain_error
 from raylastic.actors.worker.actor import JoinReport, WorkerSpec
@@ -260,6 +265,7 @@ class WorkerGroup:
             on_failure=self._call_off_rendezvous)
         for member, report in zip(self.ranked, reports, strict=True):
             member.node_id = report.node_id
+        forget_generations_before(self.store, self.store_prefix, self.generation)
         return reports
 
     def _call_off_rendezvous(self) -> None:
