@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from raylastic.strategies.compression import CommHook
 from raylastic.strategies.compression.accounting import HookState, resolves_to
+from raylastic.strategies.sub_groups import sub_group
 
 
 def ranks_by_node(node_ids: list[str]) -> list[list[int]]:
@@ -64,7 +65,8 @@ def make_hierarchical_hook(node_ids: list[str], process_group: dist.ProcessGroup
     """Build the sub-groups and return (state, hook); every rank of the default group must call it.
 
     ``dist.new_group`` is collective over the default group: every rank creates every node group
-    (of two or more ranks) and then the leaders group, in the same order, member or not.
+    (of two or more ranks) and then the leaders group, in the same order, member or not. They keep the default
+    group's timeout (strategies/sub_groups.py).
     """
     world_size = dist.get_world_size(process_group)
     if len(node_ids) != world_size:
@@ -80,11 +82,11 @@ def make_hierarchical_hook(node_ids: list[str], process_group: dist.ProcessGroup
     node_group = None
     for ranks in nodes:
         if len(ranks) > 1:
-            group = dist.new_group([global_rank(r) for r in ranks])
+            group = sub_group([global_rank(r) for r in ranks])
             if my_rank in ranks:
                 node_group = group
     leaders = [ranks[0] for ranks in nodes]
-    leaders_group = dist.new_group([global_rank(r) for r in leaders])
+    leaders_group = sub_group([global_rank(r) for r in leaders])
     my_node = next(ranks for ranks in nodes if my_rank in ranks)
     state = HierarchicalState(process_group, nodes, flat=False, node_group=node_group,
                               leaders_group=leaders_group if my_rank in leaders else None,

@@ -4,7 +4,9 @@ One root mesh per generation: FSDP2 joins its data-parallel mesh with a tensor-p
 both come from the same root. The dimensions of size 1 are left out (each dimension's groups cost every
 rank a rendezvous when the mesh is made), except the data-parallel shard dimension, which the
 strategies always shard over. Dimension names carry a tag of this mesh alone, for the reason
-``generation_mesh`` gives (strategies/fsdp.py).
+``generation_mesh`` gives (strategies/fsdp.py). The dimensions' groups are made here, with the current group's
+timeout (strategies/sub_groups.py): ``init_device_mesh`` would give them torch's default, and a pipeline send or a
+tensor-parallel all-reduce to a stopped peer would wait it out.
 
 Example (every rank of a generation of 8, once its group is joined)::
 
@@ -20,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from raylastic.strategies.parallel_layout import ParallelLayout
+from raylastic.strategies.sub_groups import sub_group
 
 DIMENSIONS = ("pp", "replicate", "shard", "tp")
 """The logical dimensions, outermost first (ParallelLayout's rank order); "replicate" and "shard" are the
@@ -63,5 +66,21 @@ def parallel_mesh(device: torch.device, layout: ParallelLayout) -> ParallelMesh:
     kept = [d for d in DIMENSIONS if sizes[d] > 1 or d == "shard"]
     tag = uuid.uuid4().hex[:8]  # differs between ranks too, which nothing compares
     names = {d: f"{d}-{tag}" for d in kept}
-    root = init_device_mesh(device.type, tuple(sizes[d] for d in kept), mesh_dim_names=tuple(names.values()))
+    grid = torch.arange(layout.world_size, dtype=torch.int).reshape(tuple(sizes[d] for d in kept))
+    root = DeviceMesh.from_group(_dimension_groups(grid), device.type, mesh=grid, mesh_dim_names=tuple(names.values()))
     return ParallelMesh(root=root, layout=layout, names=names)
+
+
+def _dimension_groups(grid: torch.Tensor) -> list[dist.ProcessGroup]:
+    """This rank's group along each dimension of ``grid`` (the global ranks in the mesh's shape). A dimension
+    over every rank is the current group itself, as ``init_device_mesh`` makes it; the others' groups are made on
+    every rank, in the same order."""
+    rank, mine = dist.get_rank(), []
+    for dimension in range(grid.ndim):
+        if grid.shape[dimension] == grid.numel():
+            mine.append(dist.group.WORLD)
+            continue
+        lines = grid.movedim(dimension, -1).reshape(-1, grid.shape[dimension]).tolist()
+        groups = [sub_group(line) for line in lines]
+        mine.append(next(group for group, line in zip(groups, lines, strict=True) if rank in line))
+    return mine
