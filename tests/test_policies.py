@@ -223,18 +223,18 @@ def test_sharded_state_past_step_0_with_no_copy_and_no_checkpoint_is_lost_not_re
 def test_lost_state_is_explained_by_the_copies_its_layout_kept():
     """Under model parallelism a part's copies are its data-parallel copies (a buddy's only with one copy): losing
     both copies of a pipeline stage is not "a worker and its buddy"."""
-    from raylastic.jobconfig import StrategyConfig
+    from raylastic.jobconfig import CheckpointConfig, StrategyConfig
     from raylastic.strategies.parallel_layout import ParallelLayout
 
-    lost = StateLost(20)
+    lost, none, every_5 = StateLost(20), CheckpointConfig(every_minutes=0), CheckpointConfig(every_steps=5)
     ddp, zero3 = StrategyConfig(name="ddp"), StrategyConfig(name="zero3")
-    two_pipelines = lost.reason(ddp, 0, lost_layout=ParallelLayout(pp=2, dp_replicate=2))
+    two_pipelines = lost.reason(ddp, none, lost_layout=ParallelLayout(pp=2, dp_replicate=2))
     assert two_pipelines.startswith("the sharded state of step 20 is lost: every copy of one part of the model was "
                                     "lost (pp2 x dp2 (2 copies) kept 2, one in each data-parallel copy)")
-    assert "buddy" not in two_pipelines and "checkpoint.every_steps=0" in two_pipelines
-    one_pipeline = lost.reason(zero3, 5, lost_layout=ParallelLayout(pp=2, tp=2))
+    assert "buddy" not in two_pipelines and "(checkpoint.every_steps=0, checkpoint.every_minutes=0)" in two_pipelines
+    one_pipeline = lost.reason(zero3, every_5, lost_layout=ParallelLayout(pp=2, tp=2))
     assert "a worker and its buddy, which held the copy of its part of the model (strategy.buddy_copy)" in one_pipeline
-    assert "a worker and its buddy, which held the copy of its shard" in lost.reason(zero3, 0, lost_layout=None)
+    assert "a worker and its buddy, which held the copy of its shard" in lost.reason(zero3, none, lost_layout=None)
 
 
 PLAN = PeerRestorePlan(generation=1, world_size=4, replicas=2, step=7, senders=(0, 2))

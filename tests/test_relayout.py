@@ -109,13 +109,15 @@ def test_a_dp2_pp2_run_that_loses_both_copies_of_a_stage_with_no_checkpoint_ends
     result.json, rather than start over from step 0."""
     disturbed = job("workload.name=chargpt", TINY_GPT_OPTIONS, "parallel.pp=2", "strategy.name=ddp",
                     "scaling.min_workers=2", "scaling.max_workers=4", "training.steps=8",
-                    "training.global_batch_size=8", "checkpoint.every_steps=0", "scaling.cpus_per_worker=0.25",
+                    "training.global_batch_size=8", "checkpoint.every_steps=0", "checkpoint.every_minutes=0",
+                    "scaling.cpus_per_worker=0.25",
                     "faults=[{action: kill, rank: 2, step: 3}, {action: kill, rank: 3, step: 3}]", name="stage-lost")
     with pytest.raises(RunFailed) as failure:
         train(disturbed, run_dir=tmp_path / "run")
     assert str(failure.value).startswith(
         "the sharded state of step 2 is lost: every copy of one part of the model was lost (pp2 x dp2 (2 copies) "
-        "kept 2, one in each data-parallel copy), and no intact checkpoint holds it (checkpoint.every_steps=0)"), \
+        "kept 2, one in each data-parallel copy), and no intact checkpoint holds it (checkpoint.every_steps=0, "
+        "checkpoint.every_minutes=0)"), \
         failure.value
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "failed"
 

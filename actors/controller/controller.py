@@ -226,7 +226,7 @@ class Controller:
         source = choose_state_source(replicated=self.replicated, pending=state.restore, member_steps=member_steps,
                                      run_step=self.step, peer_plan=plan, newest_checkpoint=newest)
         if isinstance(source, StateLost):
-            return Failed(source.reason(self.job.strategy, self.job.checkpoint.every_steps, lost_layout)
+            return Failed(source.reason(self.job.strategy, self.job.checkpoint, lost_layout)
                           + self.checkpoints.note())
         moved = {}
         if isinstance(source, FromPeers):

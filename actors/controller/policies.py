@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from raylastic.actors.controller.layout_policy import LayoutPolicy, divisors
 from raylastic.actors.status.group import DONE_PHASES, GroupStatus, JobError, LostWorker, WorkersLost
-from raylastic.jobconfig import JobConfig, StrategyConfig
+from raylastic.jobconfig import CheckpointConfig, JobConfig, StrategyConfig
 from raylastic.strategies.checkpoint_catalogue import Checkpoint
 from raylastic.strategies.parallel_layout import ParallelLayout
 from raylastic.strategies.peer_restore import PeerRestorePlan
@@ -277,7 +277,7 @@ class StateLost:
     step: int
     """The step the run had committed."""
 
-    def reason(self, strategy: StrategyConfig, checkpoint_every_steps: int,
+    def reason(self, strategy: StrategyConfig, checkpoint: CheckpointConfig,
                lost_layout: ParallelLayout | None = None) -> str:
         """Why the run cannot go on, naming the settings that decided it; ``lost_layout``: the model-parallel
         layout of the generation that lost it (whose data-parallel copies are a part's copies), None without one."""
@@ -292,8 +292,10 @@ class StateLost:
             copies = f"a worker and its buddy, which held the copy of its {part} (strategy.buddy_copy), were lost"
         else:
             copies = f"a worker's {part} existed nowhere else (strategy.buddy_copy=false, strategy.replicas=1)"
+        every_steps, every_minutes = checkpoint.every_steps, checkpoint.every_minutes
+        settings = f"checkpoint.every_steps={every_steps}, checkpoint.every_minutes={every_minutes:g}"
         return (f"the sharded state of step {self.step} is lost: {copies}, and no intact checkpoint holds it "
-                f"(checkpoint.every_steps={checkpoint_every_steps}); the run ends rather than start over from step 0")
+                f"({settings}); the run ends rather than start over from step 0")
 
 
 StateSource = FromCheckpoint | FromRank | FromPeers | FromSeed | StateLost
