@@ -73,6 +73,8 @@ def test_a_gpu_job_on_workers_without_cuda_fails_at_once_naming_the_field(ray_wi
     with pytest.raises(RunFailed) as raised:
         train(config, run_dir=tmp_path)
     assert "scaling.use_gpu=true, but this worker sees no CUDA device" in str(raised.value)
+    # Ray left the workers' CUDA_VISIBLE_DEVICES as the node has it (it narrows it to the actor's GPU by default)
+    assert f"{VISIBLE_DEVICES}={os.environ.get(VISIBLE_DEVICES)!r}" in str(raised.value)
     assert time.monotonic() - started < config.scaling.placement_timeout_s / 3  # not retried until placement gives up
 
 
