@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raylastic.actors.async_ps.checkpoints import Cut, clear_after, complete_checkpoints, newest_complete, prune
+from raylastic.actors.async_ps.saver import SaveStillWriting
 from raylastic.actors.async_ps.server import ParameterServer, UnreadableCheckpoint
 from raylastic.actors.async_ps.shards import assign_parameters, merged_shares, model_from_shares
 from raylastic.cluster.cli import main as cli_main
@@ -121,6 +122,41 @@ def test_a_save_slower_than_the_heartbeats_does_not_hold_the_server_up(tmp_path)
         with open(fifo, "rb") as reader:  # let the write through (or, without the fix, the blocked push)
             reader.read()
     wait_written(server, 2)
+
+
+def test_a_restore_waits_for_a_stuck_save_only_its_bound_and_names_the_file(tmp_path):
+    """A save stuck on its disk (a FIFO with no reader in place of the file) held a restore without end."""
+    spec = dataclasses.replace(server_spec(tmp_path, every_steps=2), save_wait_s=2)
+    server = ParameterServer(spec, index=0, names=digits_names())
+    server.restore(1, None, "0a")
+    fifo = tmp_path / "ps_00000002" / "server_0_of_1.0a.pt.tmp"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    for update in (1, 2):
+        server.push(1, update, update - 1, gradients_of(server, 0.1), {}, ticket=update - 1)
+    deadline = time.monotonic() + 60
+    while server.saver.writing != 2:  # a save still waiting would only be dropped
+        assert time.monotonic() < deadline, "the save of version 2 did not start in 60 s"
+        time.sleep(0.01)
+    restoring: dict[str, object] = {}
+
+    def restore() -> None:
+        try:
+            server.restore(2, None, "0b")
+            restoring["ended"] = "restored"
+        except SaveStillWriting as error:
+            restoring["ended"] = error
+
+    thread = threading.Thread(target=restore, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    try:
+        assert not thread.is_alive(), "the restore still waits for the stuck save after 60 s"
+        assert isinstance(restoring["ended"], SaveStillWriting)
+        assert "version 2 to" in str(restoring["ended"]) and "server_0_of_1.0a.pt" in str(restoring["ended"])
+    finally:
+        with open(fifo, "rb") as reader:  # let the write through (and, without the fix, the restore)
+            reader.read()
 
 
 def test_a_failed_save_is_reported_at_the_next_heartbeat_and_the_server_goes_on(tmp_path):

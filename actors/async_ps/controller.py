@@ -6,7 +6,8 @@ same as the synchronous Controller's) from threads of its own, while ``run`` mov
 
 - a worker that dies gives its leased steps back, and its admitted update if no server got it (the
   servers skip that number); a replacement takes its index, up to ``failure.max_failures``; a worker
-  whose step exceeds ``failure.max_step_s`` is killed as hung; an error in user code fails the run;
+  whose step exceeds ``failure.max_step_s`` is killed as hung, one whose call here went unanswered for its bound
+  (worker.py: ControllerUnanswered) is lost too; an error in user code fails the run;
 - a server that dies, or leaves a heartbeat or any other call unanswered for its bound (server_group.py),
   is replaced, and every server goes back to the newest whole checkpoint (or the start) in a new epoch:
   the updates after it are taken back and their steps computed again, so each step's samples still reach
@@ -33,6 +34,7 @@ from raylastic.actors.async_ps.server_group import ServerGroup, ServersLost, fir
 from raylastic.actors.async_ps.shards import assign_parameters, model_from_shares
 from raylastic.actors.async_ps.states import AsyncRunState, RestoringServers, StartingWorkers, Training
 from raylastic.actors.async_ps.tickets import TicketBook
+from raylastic.actors.async_ps.worker import ControllerUnanswered
 from raylastic.actors.async_ps.worker_pool import WorkerPool, reserved_bundle
 from raylastic.actors.controller.policies import FailurePolicy, Raise
 from raylastic.actors.controller.run_log import RunLog
@@ -64,6 +66,8 @@ class AsyncController:
         self.failures = 0
         self.failure_policy = FailurePolicy(max_failures=job.failure.max_failures)
         self.stop_requested = False
+        self.restoring = False
+        """The servers are being restored (no lock is held meanwhile): a lease says wait, an admission is refused."""
         self.group: ServerGroup | None = None
         self.shards: tuple[tuple[str, ...], ...] = ()
         self.pool = WorkerPool(job, prefix=self.prefix, place=lambda index: reserved_bundle(reserved, index))
@@ -134,7 +138,7 @@ class AsyncController:
                 del self.in_flight[update]  # its pushes returned before it asked again
             if self.stop_requested or self.book.done:
                 return Lease(None, finished=True)
-            if not isinstance(self.state, Training):
+            if self.restoring or not isinstance(self.state, Training):
                 return Lease(None)
             ticket = self.book.lease(worker)
             if ticket is not None:
@@ -144,7 +148,7 @@ class AsyncController:
     def admit(self, worker: str, report: StepReport) -> int | None:
         """The update number ``report``'s gradient is applied as, or None (too stale, or a restore took its lease)."""
         with self.lock:
-            if self.book.leases.get(report.ticket) != worker:
+            if self.restoring or self.book.leases.get(report.ticket) != worker:
                 return None
             admission = self.book.admit(report.ticket, worker, report.read_versions)
             if admission.update is None:
@@ -236,15 +240,23 @@ class AsyncController:
     def _restore_servers(self, cut: Cut | None) -> None:
         """Every server to ``cut`` (None: the initial state) in a new epoch, the books with them; logged as a
         generation formed at that version (the ledger keeps no later update of an earlier epoch). The files of
-        the abandoned timeline, after the cut, are cleared."""
+        the abandoned timeline, after the cut, are cleared. The servers' restore (up to scaling.placement_timeout_s)
+        runs with no lock held: the workers' calls are answered meanwhile (wait; a gradient of the old epoch is
+        refused)."""
         started = time.time()
         with self.lock:
             self.epoch += 1
+            self.restoring = True
+        try:
             restored = self.group.restore(self.epoch, cut)
-            before = self.book.steps_applied
-            self.book.rewind(restored.version, restored.tickets)
-            self.in_flight.clear()
-            self.lease_started.clear()
+            with self.lock:
+                before = self.book.steps_applied
+                self.book.rewind(restored.version, restored.tickets)
+                self.in_flight.clear()
+                self.lease_started.clear()
+        finally:
+            with self.lock:
+                self.restoring = False
         self.log.event("generation_formed", restored.version, generation=self.epoch,
                        world_size=self.job.scaling.max_workers, state_source="checkpoint" if cut else "start",
                        path=cut.directory if cut else None, steps_lost=max(0, before - self.book.steps_applied),
@@ -276,8 +288,11 @@ class AsyncController:
             ray.get(ref)
             ray.kill(actor)  # it was told there are no more steps: its slot is free for one that may be needed
             return
-        except ray.exceptions.RayTaskError as error:  # an error in the job's code: retrying would repeat it
-            raise RunFailed(f"{name} raised: {error.cause!r}{self._note()}\n{error}") from None
+        except ray.exceptions.RayTaskError as error:
+            if not isinstance(error.cause, ControllerUnanswered):  # an error in the job's code: retrying repeats it
+                raise RunFailed(f"{name} raised: {error.cause!r}{self._note()}\n{error}") from None
+            reason = str(error.cause)
+            ray.kill(actor)
         except ray.exceptions.RayError as error:
             reason = killed_because or first_line(error)
         with self.lock:

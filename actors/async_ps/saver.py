@@ -5,7 +5,9 @@ state) to this saver and goes on applying updates and answering heartbeats while
 slower than ``failure.step_timeout_s`` no longer makes a healthy server look hung (issue 29). One file is
 written at a time; a save that comes due meanwhile waits, and a newer one takes its place (the one it replaces
 is reported as not written). Failed writes wait for the server's next heartbeat, which carries them to the
-Controller (``checkpoint_failed`` events)::
+Controller (``checkpoint_failed`` events). A restore waits for the file being written for a bounded time only
+(``reset``): a write stuck on a dead mount makes it raise ``SaveStillWriting``, and the Controller replaces the
+server, whose process takes the write with it::
 
     saver = ServerSaver()
     saver.submit(Snapshot(version=10, path=".../ps_00000010/server_0_of_1.<lineage>.pt", payload={...}))
@@ -29,6 +31,11 @@ class Snapshot:
     path: str
     payload: dict[str, Any]
     """A copy: the server changes its own tensors while this is written."""
+
+
+class SaveStillWriting(TimeoutError):
+    """A restore found a save of the epoch before still being written after its bound: the server cannot start a
+    new epoch with an old file still to come, and is replaced."""
 
 
 @dataclass(frozen=True)
@@ -59,13 +66,21 @@ class ServerSaver:
             self._waiting = snapshot
             self._changed.notify_all()
 
-    def reset(self, written: int) -> None:
-        """A restore: drop the save waiting, let the file being written end, then count ``written`` as written."""
+    def reset(self, written: int, timeout_s: float) -> None:
+        """A restore: drop the save waiting, let the file being written end, then count ``written`` as written.
+        SaveStillWriting, naming the file, if it has not ended within ``timeout_s``."""
         with self._changed:
             self._waiting = None
-            while self._writing is not None:
-                self._changed.wait()
+            if not self._changed.wait_for(lambda: self._writing is None, timeout=timeout_s):
+                raise SaveStillWriting(f"the save of version {self._writing.version} to {self._writing.path} was "
+                                       f"still being written {timeout_s:g}s into the restore")
             self.written = written
+
+    @property
+    def writing(self) -> int | None:
+        """The version whose file is being written now (None: none is)."""
+        with self._changed:
+            return self._writing.version if self._writing else None
 
     def take_failures(self) -> list[SaveFailure]:
         """The failed saves not yet taken."""

@@ -62,6 +62,9 @@ class ServerSpec:
     torch_threads: int = 1
     faults: tuple[FaultConfig, ...] = ()
     """kill_server faults aimed at this server's index."""
+    save_wait_s: float = 60.0
+    """How long a restore waits for a save of the epoch before to end (half of scaling.placement_timeout_s, the
+    restore's own bound: the server names the stuck file before the Controller gives up on it)."""
 
 
 class StalenessViolation(RuntimeError):
@@ -146,7 +149,7 @@ class ParameterServer:
         """Start epoch ``epoch`` from ``cut`` (None: the run's initial state), writing its checkpoints as ``lineage``.
         A save of the epoch before is let end first: no file of it is written after this returns."""
         self._raise_if_failed()
-        self.saver.reset(written=cut.version if cut else 0)
+        self.saver.reset(written=cut.version if cut else 0, timeout_s=self.spec.save_wait_s)
         self.epoch, self.lineage = epoch, lineage
         self._reset()
         if cut is not None:

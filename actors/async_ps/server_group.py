@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylastic.actors.async_ps.checkpoints import Cut, clear_after
 from raylastic.actors.async_ps.heartbeats import Heard
-from raylastic.actors.async_ps.saver import SaveFailure
+from raylastic.actors.async_ps.saver import SaveFailure, SaveStillWriting
 from raylastic.actors.async_ps.server import (
     ParameterServerActor,
     Restored,
@@ -125,8 +125,9 @@ class ServerGroup:
 
     def ask(self, method: str, *args: Any) -> list[Any]:
         """Every server's answer to ``method(*args)``, in server order, waited for at most the method's bound.
-        ServersLost for those that died or did not answer; RunFailed for an error a server raised (a file of a
-        cut that cannot be loaded: UnreadableCheckpoint, so that an older cut is tried)."""
+        ServersLost for those that died or did not answer (or whose restore found a save of theirs still being
+        written past its bound: SaveStillWriting); RunFailed for an error a server raised (a file of a cut that
+        cannot be loaded: UnreadableCheckpoint, so that an older cut is tried)."""
         timeout_s, field = self._bound(method)
         refs = [getattr(server, method).remote(*args) for server in self.servers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)  # answered, not fetched
@@ -140,6 +141,9 @@ class ServerGroup:
             except ray.exceptions.RayTaskError as error:
                 if isinstance(error.cause, UnreadableCheckpoint):
                     raise error.cause from None
+                if isinstance(error.cause, SaveStillWriting):  # stuck on its disk, not wrong: a new one is started
+                    lost.append((index, str(error.cause)))
+                    continue
                 raise self.failed(index, error) from None
             except ray.exceptions.RayError as error:
                 lost.append((index, first_line(error)))
@@ -180,7 +184,8 @@ class ServerGroup:
                           predict_weights=job.strategy.predict_weights,
                           checkpoint_root=self.checkpoint_root, every_steps=job.checkpoint.every_steps,
                           config_hash=job.math_hash(), torch_threads=max(1, int(job.strategy.server_cpus)),
-                          faults=tuple(f for f in self.faults if f.rank == index))
+                          faults=tuple(f for f in self.faults if f.rank == index),
+                          save_wait_s=job.scaling.placement_timeout_s / 2)
         return ParameterServerActor.options(
             name=f"{self.prefix}server{index}", num_cpus=job.strategy.server_cpus, max_restarts=0,
             scheduling_strategy=self.place(index), runtime_env=TRAINS,

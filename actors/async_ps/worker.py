@@ -5,7 +5,9 @@ Each ticket is one step of the global sample order (``global_batch_size`` sample
 synchronous one; only the parameters each gradient is computed on differ. The RNG is seeded per
 micro-batch from the run seed, the ticket and the position, as in a synchronous step. A worker never
 waits for another: it waits only for the servers' answers and, when every remaining step is leased,
-for more work. ``run`` returns when the run has no more steps for it::
+for more work. Every call it makes has a bound: a server's answer ``server_timeout_s``, the Controller's
+``controller_timeout_s``, past which ``run`` raises ControllerUnanswered (the Controller replaces the worker as
+lost). ``run`` returns when the run has no more steps for it::
 
     worker = AsyncWorkerActor.remote(spec, controller)
     done = worker.run.remote()     # resolves to the number of steps it computed; raises if it died
@@ -39,6 +41,11 @@ IDLE_WAIT_S = 0.05
 """How long a worker with nothing to lease waits before asking again."""
 
 
+class ControllerUnanswered(TimeoutError):
+    """The Controller left a lease, an admission or a give-back unanswered for its bound: the worker ends, and the
+    Controller (if it answers again) takes it as lost, its leases and its undelivered update back."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class AsyncWorkerSpec:
     name: str
@@ -51,6 +58,9 @@ class AsyncWorkerSpec:
     torch_threads: int
     server_timeout_s: float
     """How long a pull or push may wait for a server (failure.collective_timeout_s)."""
+    controller_timeout_s: float = 30.0
+    """How long a lease, an admission or a give-back may wait for the Controller (failure.collective_timeout_s). It
+    answers them from threads of its own, under a lock that nothing slow holds (a server restore does not)."""
     faults: tuple[FaultConfig, ...] = ()
     """The faults aimed at this worker's index."""
     link: LinkConfig = LinkConfig()
@@ -88,7 +98,7 @@ class AsyncWorker:
         """Compute steps until the run has none left; returns how many this worker had admitted."""
         admitted = 0
         while True:
-            lease: Lease = ray.get(self.controller.lease.remote(self.spec.name))
+            lease: Lease = self._ask_controller("lease", self.spec.name)
             if lease.finished:
                 self.batches.close()
                 return admitted
@@ -104,11 +114,11 @@ class AsyncWorker:
             pulled = ray.get([server.pull.remote() for server in lease.servers], timeout=self.spec.server_timeout_s)
         except (ray.exceptions.RayError, TimeoutError):
             # a server is lost (the Controller restores the servers) or failed (the Controller fails the run)
-            ray.get(self.controller.give_back.remote(self.spec.name, lease.ticket))
+            self._ask_controller("give_back", self.spec.name, lease.ticket)
             time.sleep(IDLE_WAIT_S)
             return 0
         if any(epoch != lease.epoch for epoch, _, _ in pulled):  # the servers were restored since the lease
-            ray.get(self.controller.give_back.remote(self.spec.name, lease.ticket))
+            self._ask_controller("give_back", self.spec.name, lease.ticket)
             return 0
         received = self._load(pulled)
         pull_delay_s = self._cross_link(received)
@@ -133,7 +143,7 @@ class AsyncWorker:
                             step_s=time.perf_counter() - started, grad_norm=grad_norm, bytes_sent=sent,
                             bytes_received=received, link_delay_s=pull_delay_s + send_wait_s, skipped=not finite,
                             sample_ids=sample_ids)
-        update = ray.get(self.controller.admit.remote(self.spec.name, report))
+        update = self._ask_controller("admit", self.spec.name, report)
         if update is None:  # too stale: the step goes back in the queue
             return 0
         buffers = {name: b.detach() for name, b in self.model.named_buffers()}
@@ -145,6 +155,10 @@ class AsyncWorker:
         except (ray.exceptions.RayError, TimeoutError):
             pass  # a server is lost (its restore takes this update back) or failed (the Controller fails the run)
         return 1
+
+    def _ask_controller(self, method: str, *args: Any) -> Any:
+        """The Controller's answer to ``method(*args)``; ControllerUnanswered past ``controller_timeout_s``."""
+        return ask_within(self.controller, method, *args, timeout_s=self.spec.controller_timeout_s)
 
     def _cross_link(self, num_bytes: int) -> float:
         """Sleep what ``num_bytes`` take to come in over the emulated link (one message); returns the seconds."""
@@ -196,6 +210,15 @@ class AsyncWorker:
             step_index=ticket, position=0, weight=1 / len(indices),
             autocast=lambda: autocast_for(training.precision, self.device))
         return loss_sum.item(), len(indices), indices.tolist() if training.record_samples else None
+
+
+def ask_within(actor: Any, method: str, *args: Any, timeout_s: float) -> Any:
+    """``actor.method(*args)``'s answer, waited for at most ``timeout_s`` (ControllerUnanswered past it)."""
+    try:
+        return ray.get(getattr(actor, method).remote(*args), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ControllerUnanswered(f"the Controller left {method} unanswered for {timeout_s:g}s "
+                                   "(failure.collective_timeout_s)") from None
 
 
 AsyncWorkerActor = ray.remote(max_concurrency=2)(AsyncWorker)

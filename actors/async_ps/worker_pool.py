@@ -45,6 +45,7 @@ class WorkerPool:
                                use_gpu=job.scaling.use_gpu,
                                torch_threads=max(1, int(job.scaling.cpus_per_worker)),
                                server_timeout_s=job.failure.collective_timeout_s,
+                               controller_timeout_s=job.failure.collective_timeout_s,
                                faults=tuple(f for f in self.faults if f.rank == index), link=job.link)
         actor = AsyncWorkerActor.options(
             name=name, num_cpus=job.scaling.cpus_per_worker, num_gpus=1 if job.scaling.use_gpu else 0,
