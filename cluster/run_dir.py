@@ -128,9 +128,12 @@ def read_model_file(model: dict[str, torch.Tensor] | bytes | None) -> dict[str, 
 
 def write_result(run_dir: Path, job: JobConfig, *, status: RunEnd, result: RunResult | None = None,
                  error: str | None = None, progress: SeenProgress | None = None) -> None:
-    """result.json, atomically (RunFailed if it cannot be written)."""
+    """result.json, atomically (RunFailed if it cannot be written). A stopped run's ``result`` is what its stop kept,
+    with the ``error`` saying why it stopped."""
     payload: dict[str, Any] = {"status": status, "name": job.name, "config": shown_config(job)}
     if result is not None:
+        if error is not None:
+            payload["error"] = error
         payload.update(final_step=result.final_step, metrics=result.metrics, checkpoint=result.checkpoint,
                        history=result.history, eval_history=result.eval_history,
                        events=[event.to_dict() for event in result.events])

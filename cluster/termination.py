@@ -29,11 +29,14 @@ class StopRequest:
     """Why the run is to stop at its next step boundary (TERMINATED, INTERRUPTED); None while nobody asked."""
 
     reason: str | None = None
+    unwinding: BaseException | None = None
+    """The exception that asked for the stop from inside the driver's loop (Ray Tune stopping a trial raises
+    SystemExit in its report), raised again once the stop has kept the run's step."""
 
-    def ask(self, reason: str) -> None:
+    def ask(self, reason: str, *, unwinding: BaseException | None = None) -> None:
         """Ask for the stop; the first reason given is kept."""
         if self.reason is None:
-            self.reason = reason
+            self.reason, self.unwinding = reason, unwinding
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
 """``raylastic train``: run one job with live progress; exit 0 done, 1 run failed or stopped, 2 bad config.
 
-Ctrl-C or a SIGTERM (``ray job stop``) stops the run at the next step boundary; result.json then says "stopped".
+Ctrl-C or a SIGTERM (``ray job stop``) stops the run at the next step boundary, keeping that step's checkpoint and
+model.pt; result.json then says "stopped" and names the checkpoint, and the same command resumes from it. A second
+Ctrl-C ends the run at once.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     job = load_job_or_report(args, errors)
     if job is None:
         return 2
-    from raylastic.actors.status.run import RunFailed
+    from raylastic.actors.status.run import RunFailed, RunStopped
     from raylastic.cluster.job import train
     from raylastic.cluster.progress import ProgressDisplay
 
@@ -53,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
         with ProgressDisplay(job.training.steps, console=out) as display:
             result = train(job, run_dir=args.run_dir, address=args.address, on_progress=display.update,
                            stop_on_sigterm=True)
+    except RunStopped as error:
+        errors.print(f"[bold yellow]stopped:[/] {error}", highlight=False)
+        return 1
     except (ValueError, RunFailed) as error:
         errors.print(f"[bold red]error:[/] {error}", highlight=False)
         return 2 if isinstance(error, ValueError) else 1

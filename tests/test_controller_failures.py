@@ -24,12 +24,14 @@ from raylastic.actors.controller.states import (
     Resizing,
     Running,
     Stopped,
+    Stopping,
     WaitingForWorkers,
 )
 from raylastic.actors.status.group import LostWorker
-from raylastic.actors.status.run import RunFailed
+from raylastic.actors.status.run import RunFailed, RunStopped
 from raylastic.actors.worker_group.group import MemberRaised
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
+from raylastic.strategies.checkpoint_manifest import read_manifest
 from raylastic.strategies.peer_restore import ShardCopy
 from tests.support.fake_group import (
     STEPS,
@@ -150,16 +152,21 @@ def test_a_recovery_is_timed_from_the_first_failure_to_the_next_committed_step(t
 
 # -- stop requests ----------------------------------------------------------------------------------------------
 
-STOPPABLE_STATES = [Forming(), Running(), Resizing(),
-                    WaitingForWorkers(needed=1, deadline=float("inf"), recovering_since=0.0)]
+NOTHING_TO_KEEP = [Forming(), Running(), Resizing(), WaitingForWorkers(needed=1, deadline=float("inf"))]
+"""At step 0 nothing was trained; below min_workers no generation is formed to save from."""
 
 
-@pytest.mark.parametrize("state", STOPPABLE_STATES, ids=lambda s: s.name)
-def test_a_stop_ends_a_stoppable_state_before_it_acts(tmp_path, state):
+@pytest.mark.parametrize("state", NOTHING_TO_KEEP, ids=lambda s: s.name)
+def test_a_stop_with_nothing_to_keep_ends_the_state_before_it_acts(tmp_path, state):
     run, group = controller(tmp_path)
     run.state = state
+    if isinstance(state, WaitingForWorkers):
+        run.step = 3
     run.stop()
     assert isinstance(advance(run), Stopped) and group.calls == []
+    with pytest.raises(RunStopped, match=f"run stopped by the user at step {run.step}") as stopped:
+        run.run()
+    assert stopped.value.result is None
 
 
 def test_a_stop_during_formation_takes_effect_once_the_generation_is_formed(tmp_path):
@@ -191,6 +198,7 @@ def test_a_stop_asked_as_training_starts_is_asked_of_the_members_again(tmp_path)
 
     group.start_training = start_while_the_user_stops
     assert isinstance(advance(run), Resizing)
+    assert isinstance(advance(run), Stopping)
     assert isinstance(advance(run), Stopped) and 0 < run.step < STEPS
 
 
@@ -204,21 +212,40 @@ def test_each_transition_of_a_training_generation_takes_one_poll(tmp_path):
     assert group.calls.count("train") == 1 and run.step == 3  # the fake commits a step per poll
 
 
-def test_a_stop_while_training_ends_at_the_next_boundary(tmp_path):
+def test_a_stop_while_training_ends_at_the_next_boundary_with_its_checkpoint_and_model(tmp_path):
+    """A stop is a finish asked early: the step's checkpoint and the full model, as a finish writes them, and no
+    evaluation (it has to fit the grace period of ``ray job stop``)."""
     run, group = controller(tmp_path)
     run.state = Forming()
     advance(run)
     group.on_poll(lambda status: (run.stop(), status)[1])
     assert isinstance(advance(run), Resizing)  # every member stopped after the same step
-    assert isinstance(advance(run), Stopped) and 0 < run.step < STEPS
+    assert isinstance(advance(run), Stopping) and run.progress().state == "stopping"
+    stopped = advance(run)
+    assert isinstance(stopped, Stopped) and 0 < run.step < STEPS
+    assert [c for c in group.calls if c in ("save_checkpoint", "full_model_file", "evaluate")] == [
+        "save_checkpoint", "full_model_file"]
+    kept = stopped.result
+    assert (kept.final_step, kept.model_state) == (run.step, b"model.pt")  # the fake's gathered model
+    assert read_manifest(kept.checkpoint).step == run.step == latest_checkpoint(tmp_path).manifest.step
+    assert events(run, "stopped") == [{"type": "stopped", "step": run.step, "time_s": events(run, "stopped")[0][
+        "time_s"], "checkpoint": kept.checkpoint}]
+    with pytest.raises(RunStopped, match=f"run stopped by the user at step {run.step}; checkpoint: ") as raised:
+        run.run()
+    assert raised.value.result is kept and group.shut_down
 
 
-def test_a_recovery_completes_before_a_stop_takes_effect(tmp_path):
+def test_a_stop_after_a_recovery_forms_the_survivors_and_keeps_their_step(tmp_path):
+    """The survivors hold steps that no checkpoint has (checkpoint.every_steps=0): they form, then save them."""
     run, group = controller(tmp_path, "scaling.min_workers=1")
-    run.state = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time())
+    run.state, run.step, group.steps = Recovering((LostWorker("w1", "actor died", 1),), recovering_since=time.time()), \
+        4, {"w0": 4, "w1": 4}
     run.stop()
     assert isinstance(advance(run), Forming) and "drop w1" in group.calls and run.failures == 1
-    assert isinstance(advance(run), Stopped)
+    assert isinstance(advance(run), Running) and "train" not in group.calls
+    assert isinstance(advance(run), Stopping)
+    stopped = advance(run)
+    assert isinstance(stopped, Stopped) and read_manifest(stopped.result.checkpoint).step == 4
 
 
 def test_a_stop_while_finishing_lets_the_run_finish(tmp_path):

@@ -1,7 +1,7 @@
 """Controller: owns one run, as a state machine over a WorkerGroup.
 
 The states are in ``actors.controller.states`` (placing, forming, running, resizing, recovering,
-waiting_for_workers, finishing, and the ends finished, failed, stopped); ``advance`` takes one
+waiting_for_workers, finishing, stopping, and the ends finished, failed, stopped); ``advance`` takes one
 transition, ``run`` takes them until an end. Each state's action executes through the WorkerGroup;
 every decision (how many workers, whether a failure is one too many, what a poll of the training
 group means, where a generation's state comes from) is taken by a pure policy in ``actors.controller.policies``.
@@ -59,9 +59,10 @@ from raylastic.actors.controller.states import (
     Running,
     RunState,
     Stopped,
+    Stopping,
     WaitingForWorkers,
+    after_a_stop,
     ending,
-    stops_at_once,
 )
 from raylastic.actors.controller.timed_checkpoints import TimedCheckpoints
 from raylastic.actors.faults.plan import FaultPlan
@@ -119,7 +120,7 @@ class Controller:
         """What every poll of a training generation goes to, after the run's log and metrics."""
         self._actions = {Placing: self._place, Forming: self._form, Running: self._train, Resizing: self._resize,
                          Recovering: self._recover, WaitingForWorkers: self._wait_for_workers,
-                         Finishing: self._finish}
+                         Finishing: self._finish, Stopping: self._finish}
 
     # -- public API (the driver, the CLI, an autoscaler, tests) --------------------------------------------
     def run(self) -> RunResult:
@@ -133,14 +134,12 @@ class Controller:
         return ending(self.state, step=self.step, note=self.checkpoints.note)
 
     def advance(self) -> RunState:
-        """One transition: act in the current state and move to the next. A stop request ends any stoppable
-        state before it acts; a failure of workers in any state leads to recovering."""
+        """One transition: act in the current state and move to the next. A stop request takes a state that may
+        stop to its stop before it acts (``after_a_stop``); a failure of workers in any state leads to recovering."""
         state = self.state
         try:
-            if self.stop_requested and stops_at_once(state):
-                following = Stopped()
-            else:
-                following = self._actions[type(state)](state)
+            stopped = after_a_stop(state, step=self.step) if self.stop_requested else None
+            following = stopped if stopped is not None else self._actions[type(state)](state)
         except (MembersFailed, MemberRaised) as failure:  # a call on the members failed: the same verdicts as a poll's
             following = self._after_failure(failure.verdict, state)
         except ForeignCheckpoint as error:
@@ -185,8 +184,9 @@ class Controller:
         return self.drains.ask(rank=rank, node_id=node_id)
 
     def stop(self) -> None:
-        """End the run at the next step boundary (Ctrl-C); workers are shut down, nothing orphaned. A stop
-        asked while a generation forms or the run waits for workers takes effect as soon as that ends."""
+        """End the run at the next step boundary (Ctrl-C) with that step's checkpoint and the full model, as a
+        finish keeps them; workers are shut down, nothing orphaned. A stop asked while a generation forms takes
+        effect once it has formed; one asked while the run waits for workers ends it at once."""
         self.stop_requested = True
         self.group.request_boundary()
 
@@ -358,13 +358,16 @@ class Controller:
             return Failed(self.staffing.too_few("are available after the failure"))
         return state
 
-    def _finish(self, state: Finishing) -> RunState:
+    def _finish(self, state: Finishing | Stopping) -> RunState:
         """Write the final checkpoint, gather the full model, evaluate (collectives on every member), in that order:
-        what comes first is kept when what comes after fails."""
+        what comes first is kept when what comes after fails. A stop keeps the first two and ends there."""
         path = self.group.save_checkpoint()
         if not any(e.type == "checkpointed" and e.step == self.step for e in self.log.events()):
-            self.log.event("checkpointed", self.step, path=path, reason="end of run")  # else the loop's save, reported
+            reason = "stop" if isinstance(state, Stopping) else "end of run"
+            self.log.event("checkpointed", self.step, path=path, reason=reason)  # else the loop's save, reported
         model_state = self.group.full_model_file(replicated=self.replicated)
+        if isinstance(state, Stopping):
+            return self._stopped(path, model_state)
         try:
             metrics = self.group.evaluate()
         except MemberRaised as error:  # the model.pt is kept
@@ -378,6 +381,16 @@ class Controller:
         return Finished(RunResult(
             final_step=self.step, metrics=metrics, history=history, events=self.log.events(), model_state=model_state,
             checkpoint=path, memory=memory, eval_history=self.log.evaluations(),
+            ledger=self.log.ledger() if self.job.training.record_samples else None))
+
+    def _stopped(self, checkpoint: str, model_state: bytes) -> Stopped:
+        """The end of a stop: what it kept, as a finished run's result (the last step's loss as its metrics)."""
+        self.log.event("stopped", self.step, checkpoint=checkpoint)
+        history = self.log.history()
+        return Stopped(RunResult(
+            final_step=self.step, metrics={"loss": history[-1]["loss"]} if history else {}, history=history,
+            events=self.log.events(), model_state=model_state, checkpoint=checkpoint,
+            eval_history=self.log.evaluations(),
             ledger=self.log.ledger() if self.job.training.record_samples else None))
 
 

@@ -8,7 +8,8 @@
                  +------- waiting_for_workers (below scaling.min_workers)
 
     any state -> failed (a job error, too many failures, too few workers)
-    forming / running (not yet started) / resizing / waiting_for_workers -> stopped (the user asked)
+    running (at a step boundary) / resizing -> stopping -> stopped (the user asked: the step is kept)
+    forming / waiting_for_workers, or nothing trained yet -> stopped (the user asked: nothing to keep)
     running -> running: one poll of the training generation per transition
 
 Each state carries what the next one needs, so the run's situation is in one value, not in flags.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from raylastic.actors.status.group import LostWorker
-from raylastic.actors.status.run import RunFailed
+from raylastic.actors.status.run import RunFailed, RunStopped
 from raylastic.strategies.checkpoint_catalogue import Checkpoint
 
 
@@ -99,6 +100,14 @@ class Finishing:
 
 
 @dataclass(frozen=True)
+class Stopping:
+    """A stop the user asked for, at a step boundary: the step's checkpoint and the full model, as Finishing writes
+    them, and no evaluation (a stop has to fit the grace period the user gives it, e.g. ``ray job stop``'s)."""
+
+    name: ClassVar[str] = "stopping"
+
+
+@dataclass(frozen=True)
 class Finished:
     name: ClassVar[str] = "finished"
     result: Any = field(repr=False)
@@ -118,27 +127,40 @@ class Stopped:
     """The user asked the run to stop."""
 
     name: ClassVar[str] = "stopped"
+    result: Any = field(default=None, repr=False)
+    """The RunResult of what the stop kept (its checkpoint and model); None when nothing was trained to keep or no
+    generation was formed to save it from."""
 
 
-RunState = (Placing | Forming | Running | Resizing | Recovering | WaitingForWorkers | Finishing | Finished | Failed
-            | Stopped)
+RunState = (Placing | Forming | Running | Resizing | Recovering | WaitingForWorkers | Finishing | Stopping | Finished
+            | Failed | Stopped)
 TERMINAL = (Finished, Failed, Stopped)
 STOPPABLE = (Forming, Running, Resizing, WaitingForWorkers)
-"""States a stop request ends at once - a running generation only before it starts; the others complete first
-(a recovery drops the failed workers, a finish writes its checkpoint, a generation that trains stops at its next
-step boundary)."""
+"""States a stop request may end before they act (``after_a_stop``)."""
 
 
 def ending(state: Finished | Failed | Stopped, *, step: int, note: Callable[[], str]) -> Any:
-    """What a run that ended in ``state`` gives its driver: the RunResult, or RunFailed saying why it stopped or
-    failed (``note()``: where the last checkpoint is)."""
+    """What a run that ended in ``state`` gives its driver: the RunResult, or RunFailed saying why it failed, or
+    RunStopped saying where it stopped (its checkpoint, else ``note()``: where the last checkpoint is)."""
     if isinstance(state, Finished):
         return state.result
     if isinstance(state, Stopped):
-        raise RunFailed(f"run stopped by the user at step {step}{note()}")
+        kept = state.result
+        where = f"; checkpoint: {kept.checkpoint} (the same job resumes from it)" if kept is not None else note()
+        raise RunStopped(f"run stopped by the user at step {step}{where}", result=kept)
     raise RunFailed(state.reason, model_state=state.model_state)
 
 
-def stops_at_once(state: RunState) -> bool:
-    """Whether a stop request ends ``state`` before it acts."""
-    return isinstance(state, STOPPABLE) and not (isinstance(state, Running) and state.started)
+def after_a_stop(state: RunState, *, step: int) -> RunState | None:
+    """Where a stop request takes ``state`` before it acts; None: ``state`` acts first (a recovery drops the failed
+    workers, a finish writes its checkpoint, a generation that trains stops at its next step boundary, and one that
+    forms holds the survivors' steps once it has formed).
+
+    A formed generation that does not train (not started yet, or ended at a boundary for a resize) keeps its step:
+    Stopping. Nothing is kept at step 0 (nothing trained) or below min_workers (no generation to save from)."""
+    acts_first = not isinstance(state, STOPPABLE) or isinstance(state, Running) and state.started
+    if acts_first:
+        return None
+    if step == 0 or isinstance(state, WaitingForWorkers):
+        return Stopped()
+    return None if isinstance(state, Forming) else Stopping()

@@ -37,6 +37,7 @@ EventType = Literal[
                               # ``speed_vs_median``
     "worker_draining",        # a worker leaves at the next step boundary; ``workers``, ``reason``
     "server_failed",          # async_ps: a parameter server died or stopped answering; ``server``, ``reason``
+    "stopped",                # the user asked the run to stop: its step's ``checkpoint`` and the model were kept
     "finished",               # the final metrics
 ]
 
@@ -65,7 +66,7 @@ class RunStatus:
 
     state: str
     """The Controller's state: placing, forming, running, resizing, recovering, waiting_for_workers,
-    finishing, finished, failed or stopped."""
+    finishing, stopping, finished, failed or stopped."""
     generation: int
     world_size: int
     step: int
@@ -102,3 +103,14 @@ class RunFailed(RuntimeError):
         super().__init__(message)
         self.model_state = model_state
         """The full model, where the run gathered it before it failed (its final evaluation failed)."""
+
+
+class RunStopped(RunFailed):
+    """The run was stopped before its last step (Ctrl-C, SIGTERM, a Ray Tune scheduler, the Controller's ``stop``);
+    result.json says "stopped"."""
+
+    def __init__(self, message: str, result: RunResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+        """What the stop kept: the checkpoint of the step it stopped at and the full model (``model_state``), as a
+        finished run's; None where nothing was trained to keep, or the stop could not wait for it."""
