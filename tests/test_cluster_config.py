@@ -59,6 +59,8 @@ def test_config_starts_ray_with_token_auth_a_loopback_dashboard_and_workers_at_n
     assert "--dashboard-host=127.0.0.1" in head_start
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head_start
     assert "--metrics-export-port=8080" in head_start and "--metrics-export-port=8080" in worker_start
+    # a job's supervisor, on any node, gives a stopped run time to save its step (Ray's default: 3 s)
+    assert "RAY_JOB_STOP_WAIT_TIME_S=60" in head_start and "RAY_JOB_STOP_WAIT_TIME_S=60" in worker_start
 
 
 def test_cluster_yaml_has_an_elastic_gpu_worker_type() -> None:
