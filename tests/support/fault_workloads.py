@@ -63,14 +63,14 @@ class MismatchedCollectiveDigits(_DigitsBase):
     """A collective the ranks call with arguments that differ between them: at its ``step``-th step every rank
     reduces to itself as the root, so every rank waits for the others and none sends; each rank's collective
     fails when failure.collective_timeout_s ends, and no worker is lost. (A size mismatch on gloo aborts the
-    receiving process instead, which looks like any other lost worker.)"""
+    receiving process instead, which looks like any other lost worker.) Every step from then on does the same."""
 
     def __init__(self, step: int) -> None:
         super().__init__()
         self.step = step
 
     def training_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        if self.calls + 1 == self.step:
+        if self.calls + 1 >= self.step:
             dist.reduce(torch.ones(4), dst=dist.get_rank())
         return super().training_step(model, batch)
 
