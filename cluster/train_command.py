@@ -58,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     except RunStopped as error:
         errors.print(f"[bold yellow]stopped:[/] {error}", highlight=False)
         return 1
+    except KeyboardInterrupt:  # a Ctrl-C outside the run's loop, as it starts or ends
+        errors.print("[bold yellow]stopped:[/] interrupted (Ctrl-C)", highlight=False)
+        return 1
     except (ValueError, RunFailed) as error:
         errors.print(f"[bold red]error:[/] {error}", highlight=False)
         return 2 if isinstance(error, ValueError) else 1
