@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from ray import tune
 
 from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import controller_name, trial_run_name
 from raylastic.strategies.checkpoint_catalogue import latest_checkpoint
+from raylastic.strategies.checkpoint_manifest import read_manifest
 from raylastic.tuning import EarlyStopping, SweepResult, sweep
 from tests.support.helpers import job, wait_until_cpus_free
 
@@ -115,6 +117,10 @@ def test_asha_stops_a_bad_trial_early(sweeps):
     assert len(stopped) >= 1, frame.to_string()
     assert (stopped["steps"] < STEPS).all() and stopped["accuracy"].isna().all()
     assert frame.iloc[2]["status"] == "early_stopped"  # lr 3e-5, worse than the median at step 10
+    for run_dir in stopped["run_dir"]:  # each stopped job kept the step it stopped at, as a Ctrl-C does
+        saved = json.loads((Path(run_dir) / "result.json").read_text())
+        assert saved["status"] == "stopped" and read_manifest(saved["checkpoint"]).step == saved["final_step"], saved
+        assert torch.load(Path(run_dir) / "model.pt", weights_only=True)
 
 
 def test_resume_continues_without_rerunning_finished_trials(sweeps):
