@@ -39,7 +39,8 @@ FINAL_STEP = "final_step"
 """In the last report instead of "step", so that ASHA, which stops trials on "step", ignores it."""
 STEP_METRICS = ("step", "time_s", "loss", "samples_per_s", "world_size")
 WIND_DOWN_S = STOP_TIMEOUT_S + CONTROLLER_END_S + 5
-"""The most a stopped trial's job takes to end: the stop at a step boundary, then the Controller's end."""
+"""The most a stopped trial's job takes to end: the stop at a step boundary (its save and the model), then the
+Controller's end."""
 DRIVER_BUNDLE = {"CPU": 0.01}
 """Bundle 0: the trial function (the job's driver); the Controller itself asks for no resources."""
 
@@ -89,8 +90,9 @@ class StepReporter:
     """``on_progress`` for ``cluster.job.train``: one Tune report per new history row.
 
     When Tune stops the trial (ASHA, or the sweep is interrupted), ``tune.report`` raises
-    SystemExit in this thread; ``train`` then stops the job at a step boundary and shuts its
-    workers down before the exception goes on.
+    SystemExit in this thread; ``train`` then stops the job at a step boundary, keeping that step's
+    checkpoint and model.pt (result.json says "stopped" and names the checkpoint, which a resumed
+    sweep's trial continues from), and shuts its workers down before the exception goes on.
     """
 
     def __init__(self, placeholders: dict[str, Any]) -> None:
