@@ -12,6 +12,7 @@ import ray
 
 import raylastic.cluster.job
 from benchmarks import _recovery_changes as changes
+from benchmarks import _redundancy_timed as _timed
 from benchmarks._recovery_helpers import HIDDEN, summarize_failure
 from raylastic.jobconfig import load_job_config
 
@@ -30,19 +31,30 @@ class Side:
     checkpoint_every: int
     """checkpoint.every_steps (0: no periodic checkpoint)."""
     label: str
+    every_minutes: float = 0.0
+    """checkpoint.every_minutes (0: no time-based checkpoint)."""
+    killed: bool = True
+    """Whether the side has a kill run (the timed side measures its saves' cost in the steady run only)."""
 
     def overrides(self) -> list[str]:
         return [f"strategy.replicas={self.replicas}", f"strategy.buddy_copy={str(self.buddy_copy).lower()}",
-                f"checkpoint.every_steps={self.checkpoint_every}"]
+                f"checkpoint.every_steps={self.checkpoint_every}", f"checkpoint.every_minutes={self.every_minutes}"]
 
 
 SIDES = {
     "r2": Side(replicas=2, buddy_copy=True, checkpoint_every=50, label="replicas 2, checkpoint every 50"),
-    "buddy": Side(replicas=1, buddy_copy=True, checkpoint_every=0, label="replicas 1 + buddy copy, no checkpoint"),
+    "buddy": Side(replicas=1, buddy_copy=True, checkpoint_every=0, every_minutes=_timed.DEFAULT_MINUTES,
+                  label=f"replicas 1 + buddy copy, a checkpoint every {_timed.DEFAULT_MINUTES:g} min (none in a run "
+                        "this short): the defaults"),
     "r1": Side(replicas=1, buddy_copy=False, checkpoint_every=50, label="replicas 1, no copy, checkpoint every 50"),
+    "timed": Side(replicas=1, buddy_copy=True, checkpoint_every=0, every_minutes=_timed.MEASURED_MINUTES,
+                  killed=False, label=f"the defaults with a checkpoint every {_timed.MEASURED_MINUTES * 60:g} s "
+                                      "(steady run only: each save's cost)"),
 }
 """r2: issue 18's HSDP (the buddy copy at its default, on: it covers the 3-rank generation, which keeps one copy);
-buddy: the defaults a user gets (issue 29); r1: the baseline both replace."""
+buddy: the defaults a user gets (issue 29); r1: the baseline both replace; timed: the defaults' time-based
+checkpoint, its period shortened so that its saves can be measured (benchmarks/_redundancy_timed.py)."""
+KILLED_SIDES = tuple(side for side, settings in SIDES.items() if settings.killed)
 
 
 def job_overrides(name: str, side: Side, steps: int, kill_step: int | None) -> list[str]:
@@ -132,7 +144,8 @@ def run_steady(name: str, scratch: Path, side: Side, steps: int) -> dict:
     memory = [{**m, "total": m["parameters"] + m["gradients"] + m["optimizer"]} for m in result.memory]
     return {"status": "finished", **throughput(result.history, WARMUP_STEPS, steps), "step_s": round(step_s, 5),
             "bytes_per_rank": memory, "max_bytes_per_rank": max(m["total"] for m in memory),
-            "max_buddy_copies_bytes": max(m.get("buddy_copies", 0) for m in memory)}
+            "max_buddy_copies_bytes": max(m.get("buddy_copies", 0) for m in memory),
+            **(_timed.save_costs(result.history, result.events, step_s) if side.every_minutes else {})}
 
 
 def intervals(history: list[dict]) -> list[tuple[int, float]]:

@@ -143,6 +143,8 @@ def redundancy(result: dict) -> list[str]:
     medians, held, sides = result["medians"], result["bytes_per_rank"], result["job"]["sides"]
     rows = []
     for side, label in sides.items():
+        if not medians.get(f"kill_{side}"):  # a side measured by its steady run only
+            continue
         kill, sources = medians[f"kill_{side}"], result["state_sources"][side]
         rows.append([f"`{side}`: {label}", ", ".join(f"{s} x{sources.count(s)}" for s in dict.fromkeys(sources)),
                      result["worst_round"][side]["steps_lost"], f"{kill['steps_redone']:.0f}",
@@ -170,7 +172,8 @@ def redundancy(result: dict) -> list[str]:
             "state against 16R/N, and the buddy copies' host bytes beside them):", "",
             table(["side", "formula 16R/N, B/param", "measured (largest rank)", "measured / formula",
                    "buddy copies, B/param (host)", "copies / the rank's shard"], byte_rows), "",
-            *buddy_cost(result["buddy_cost"]), f"Goals: {goals}.", "", f"Job: {params_line(result['job'])}.", "",
+            *buddy_cost(result["buddy_cost"]), *timed_checkpoint(result.get("timed_checkpoint")), f"Goals: {goals}.",
+            "", f"Job: {params_line(result['job'])}.", "",
             "Definitions:", ""] + [f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
 
 
@@ -185,6 +188,21 @@ def buddy_cost(cost: dict) -> list[str]:
             f"per step. Host bytes of the copies: {host.get('max_buddy_copies_bytes', 0):,} on the largest rank, "
             f"**{host.get('max_over_shard')}x** its shard ({host.get('shard_bytes_of_that_rank', 0):,} bytes of "
             "parameters and optimizer state).", ""]
+
+
+def timed_checkpoint(timed: dict | None) -> list[str]:
+    """The redundancy benchmark's timed side: what the default time-based checkpoint costs a run."""
+    if not timed or timed.get("excess_s_per_save") is None:
+        return []
+    second = timed["second_copy_cost_fraction"]
+    return [f"The default time-based checkpoint (checkpoint.every_minutes {timed['default_every_minutes']:g}), "
+            f"measured with the period shortened: each save (in the background, {timed['save_duration_s']:.2f} s) "
+            f"cost the steps trained meanwhile **{timed['excess_s_per_save']:.3f} s** (saves per run "
+            f"{timed['saves_per_run']}; samples/s timed / buddy "
+            f"{timed['timed_over_buddy_samples_per_s_paired_median']}): **{timed['default_cost_fraction']:.4%}** of a "
+            f"run's time at the default period"
+            + (f", against {second:.1%} of every step for a second buddy copy (one copy's cost on the GPT pair)."
+               if second is not None else "."), ""]
 
 
 def balance(result: dict) -> list[str]:
