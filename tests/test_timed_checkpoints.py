@@ -11,11 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from raylastic.actors.controller.run_checkpoints import checkpoint_settings
 from raylastic.actors.controller.timed_checkpoints import TimedCheckpoints, checkpoint_due
 from raylastic.actors.status.group import GroupStatus, RankNews
 from raylastic.actors.status.run import Event
 from raylastic.actors.status.worker import WorkerStatus
 from raylastic.actors.worker.stop_vote import CheckpointAsks, StopVote
+from raylastic.jobconfig import load_job_config
 from tests.support.distributed_harness import run_distributed
 
 
@@ -25,6 +27,13 @@ def test_a_checkpoint_is_due_once_the_period_passed_and_none_is_asked_for():
     assert not checkpoint_due(every_minutes=10, since_last_s=6000.0, asked=True)  # one is on its way
     assert not checkpoint_due(every_minutes=0, since_last_s=1e9, asked=False)  # off
     assert checkpoint_due(every_minutes=0.01, since_last_s=0.6, asked=False)
+
+
+def test_under_diloco_a_time_based_checkpoint_waits_for_an_outer_step():
+    """Only after an outer step do diloco's ranks hold the same parameters; any step otherwise."""
+    diloco = checkpoint_settings(load_job_config(None, ["strategy.name=diloco", "strategy.sync_every=10"]), "c")
+    assert [step for step in range(1, 25) if diloco.may_save_at(step)] == [10, 20]
+    assert all(checkpoint_settings(load_job_config(), "c").may_save_at(step) for step in range(1, 25))
 
 
 class RecordingGroup:
