@@ -222,7 +222,8 @@ def test_async_training_reaches_ddps_accuracy(tmp_path):
 
 @pytest.mark.usefixtures("ray_local")
 def test_an_async_run_asked_to_stop_ends_stopped_with_its_servers_and_workers_gone(tmp_path):
-    """The AsyncController's run states: a stop asked while it trains ends the run "stopped", not "failed"."""
+    """The AsyncController's run states: a stop asked while it trains ends the run "stopped", not "failed", and keeps
+    its version (it kept nothing)."""
     def stop_after_step_5(progress) -> None:
         if progress.step >= 5:
             os.kill(os.getpid(), signal.SIGTERM)  # as `ray job stop` does
@@ -233,6 +234,11 @@ def test_an_async_run_asked_to_stop_ends_stopped_with_its_servers_and_workers_go
               run_dir=run_dir, on_progress=stop_after_step_5, stop_on_sigterm=True)
     saved = json.loads((run_dir / "result.json").read_text())
     assert saved["status"] == "stopped" and 5 <= saved["final_step"] < 3000, saved.get("error")
+    # the stop keeps the version the servers hold once the steps leased before it are pushed: a whole cut, model.pt
+    assert saved["checkpoint"] == f"{run_dir}/checkpoints/ps_{saved['final_step']:08d}", saved
+    assert newest_complete(str(run_dir / "checkpoints")).version == saved["final_step"]
+    kept = torch.load(run_dir / "model.pt", weights_only=True)
+    assert set(kept) == set(Digits().build_model().state_dict())
     wait_until_gone(controller_name("ps-stop"))
     deadline = time.monotonic() + 30
     while (alive := [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if ":ps-stop:" in a["name"]]):

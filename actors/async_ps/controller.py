@@ -32,7 +32,7 @@ from raylastic.actors.async_ps.leases import Lease, StepReport
 from raylastic.actors.async_ps.server import UnreadableCheckpoint
 from raylastic.actors.async_ps.server_group import ServerGroup, ServersLost, first_line
 from raylastic.actors.async_ps.shards import assign_parameters, model_from_shares
-from raylastic.actors.async_ps.states import AsyncRunState, RestoringServers, StartingWorkers, Training
+from raylastic.actors.async_ps.states import AsyncRunState, RestoringServers, StartingWorkers, Stopping, Training
 from raylastic.actors.async_ps.tickets import TicketBook
 from raylastic.actors.async_ps.worker import ControllerUnanswered
 from raylastic.actors.async_ps.worker_pool import WorkerPool, reserved_bundle
@@ -82,7 +82,7 @@ class AsyncController:
         self.rejected: set[Cut] = set()
         """Cuts a server could not load."""
         self._actions = {Placing: self._place, StartingWorkers: self._start_training, Training: self._train,
-                         RestoringServers: self._restore, Finishing: self._finish}
+                         RestoringServers: self._restore, Finishing: self._finish, Stopping: self._stop}
 
     # -- the driver's API ------------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -104,7 +104,8 @@ class AsyncController:
         state = self.state
         try:
             if self.stop_requested and isinstance(state, StartingWorkers | Training):
-                following = Stopped()
+                following = (Stopping(deadline=time.monotonic() + self.job.failure.max_step_s)
+                             if self.book.steps_applied else Stopped())
             else:
                 following = self._actions[type(state)](state)
         except ServersLost as lost:
@@ -391,15 +392,36 @@ class AsyncController:
             self.log.event("checkpointed", step, path=path, reason="end of run")
         if self.job.eval.every_steps:
             self.log.add_evaluation(step, time.time(), metrics)
-        history = self.log.history()
-        recent = history[-self.job.scaling.max_workers:]  # the last updates, one per worker: a mean over a batch each
-        loss = {"loss": sum(r["loss"] for r in recent) / len(recent)} if recent else {}  # none: resumed at the end
-        metrics = {**loss, **metrics, "refused_stale": self.book.refused,
+        metrics = {**self._recent_loss(), **metrics, "refused_stale": self.book.refused,
                    "max_applied_staleness": max(s["max_applied_staleness"] for s in stats)}
         self.log.event("finished", step, **{k: round(v, 6) for k, v in metrics.items()})
-        return Finished(RunResult(final_step=step, metrics=metrics, history=history, events=self.log.events(),
-                                  model_state=model_state, checkpoint=path, eval_history=self.log.evaluations(),
-                                  ledger=self.log.ledger() if self.job.training.record_samples else None))
+        return Finished(self._result(step, metrics, model_state, path))
+
+    def _stop(self, state: Stopping) -> AsyncRunState:
+        """One supervising pass while the steps leased before the stop are pushed; then the version every server
+        holds is kept: its checkpoint and the model, no evaluation."""
+        self._supervise()
+        with self.lock:
+            settled = not self.book.leases and not self.in_flight
+        if not (settled and self._servers_caught_up()):
+            return state if time.monotonic() < state.deadline else Stopped()
+        step = self.book.steps_applied
+        path = self._final_checkpoint()
+        model_state = {k: v.detach().clone() for k, v in self._model().state_dict().items()}
+        self.log.event("stopped", step, checkpoint=path)
+        return Stopped(self._result(step, self._recent_loss(), model_state, path))
+
+    def _recent_loss(self) -> dict[str, float]:
+        """The mean loss of the last updates, one per worker (a mean over a batch each); none when none was applied
+        in this run (resumed at its end)."""
+        recent = self.log.history()[-self.job.scaling.max_workers:]
+        return {"loss": sum(r["loss"] for r in recent) / len(recent)} if recent else {}
+
+    def _result(self, step: int, metrics: dict[str, float], model_state: dict[str, torch.Tensor],
+                checkpoint: str | None) -> RunResult:
+        return RunResult(final_step=step, metrics=metrics, history=self.log.history(), events=self.log.events(),
+                         model_state=model_state, checkpoint=checkpoint, eval_history=self.log.evaluations(),
+                         ledger=self.log.ledger() if self.job.training.record_samples else None)
 
     def _final_checkpoint(self) -> str | None:
         """Every server's file of the last version, written by their savers while they answer heartbeats (within

@@ -8,7 +8,8 @@ AsyncController moves from one to the next (``AsyncController.advance``)::
                                                          newest whole cut)
 
     any state -> failed (an error of the job or of a server, too many failures)
-    waiting_for_workers, running -> stopped (the user asked)
+    waiting_for_workers, running -> stopped (the user asked, before any update was applied)
+    running -> stopping -> stopped (the user asked: the steps leased before it are pushed, then kept)
     running -> running: one supervising pass (workers that ended, heartbeats, hung steps, evaluation)
 
 Placing, Finishing and the terminal states are the synchronous run's own.
@@ -51,4 +52,17 @@ class RestoringServers:
     """(server index, why it was lost)."""
 
 
-AsyncRunState = Placing | StartingWorkers | Training | RestoringServers | Finishing | Finished | Failed | Stopped
+@dataclass(frozen=True)
+class Stopping:
+    """A stop the user asked for: no step is leased from now on; once the steps leased before it are pushed and
+    every server holds the same version, that version is written and the model gathered, as a finish does, without
+    its evaluation. Past the deadline nothing is kept (the newest checkpoint stands)."""
+
+    name: ClassVar[str] = "stopping"
+
+    deadline: float
+    """``time.monotonic()`` by which the leased steps must have been pushed (failure.max_step_s after the stop)."""
+
+
+AsyncRunState = (Placing | StartingWorkers | Training | RestoringServers | Finishing | Stopping | Finished | Failed
+                 | Stopped)
