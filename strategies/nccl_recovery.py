@@ -58,18 +58,25 @@ class AbortHung(RuntimeError):
 
 
 class BoundedAbort:
-    """Runs ``abort`` (``_abort_process_group``) once at a time, on a thread of its own, waiting at most
-    ``timeout_s`` for it; a second caller while it runs waits for the same abort."""
+    """Runs ``abort`` (``_abort_process_group``) once per generation, on a thread of its own, waiting at most
+    ``timeout_s`` for it; a later caller waits for the same abort."""
 
     def __init__(self, abort: Callable[[], None], *, timeout_s: float = ABORT_TIMEOUT_S) -> None:
         self._abort, self.timeout_s = abort, timeout_s
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.started = False
+        """An abort began since ``forget``: a collective it ended may have returned as if it completed."""
+
+    def forget(self) -> None:
+        """A new generation's groups: none of them was aborted."""
+        self.started = False
 
     def run(self) -> bool:
-        """Abort (or join the abort in flight); True when it has returned, False when it is still running."""
+        """Abort (or join this generation's abort); True when it has returned, False when it is still running."""
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
+            if not self.started:
+                self.started = True  # before the abort: a collective it ends returns after this is seen
                 self._thread = threading.Thread(target=self._run_abort, name="nccl-abort", daemon=True)
                 self._thread.start()
             thread = self._thread

@@ -80,6 +80,7 @@ def join_group(assignment: GroupAssignment, backend: str, store: dist.Store,
     nccl = "nccl" in backend  # also "cpu:gloo,cuda:nccl"
     if nccl:
         os.environ.update(NCCL_RECOVERY_ENVIRONMENT)
+    _nccl_abort.forget()
     prefix = generation_prefix(assignment.store_prefix, assignment.generation)
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=assignment.rank,
                             world_size=assignment.world_size, timeout=timedelta(seconds=assignment.timeout_s),
@@ -104,6 +105,15 @@ def abort_group(connections: GroupConnections | None = None) -> None:
         elif step == "abort_nccl_groups":
             _stop_watch()
             _nccl_abort.run()
+
+
+def raise_if_aborted() -> None:
+    """Raise a DistError if this generation's NCCL groups were aborted: a collective the abort ended may have returned
+    as if it had completed, and the step it belongs to must not step the optimizer or count. Call it after the
+    step's reduction was waited for (its loss read), before the optimizer steps."""
+    if _nccl_abort.started:
+        raise dist.DistNetworkError("this generation's NCCL groups were aborted (a peer lost or a collective past "
+                                    "failure.collective_timeout_s): the step in flight is discarded")
 
 
 def leave_group(connections: GroupConnections | None = None) -> None:

@@ -7,10 +7,13 @@ import threading
 import time
 
 import pytest
+import torch
 
 from raylastic.actors.processes.setup_hook import ROLE_VARIABLE, TRAINS, worker_runtime_env
+from raylastic.actors.status.peer_loss import is_peer_loss
 from raylastic.jobconfig import ScalingConfig
 from raylastic.jobconfig.scaling import RESERVED_WORKER_ENV
+from raylastic.strategies import process_group
 from raylastic.strategies.device_binding import NOSET_VISIBLE_DEVICES, cuda_device_index
 from raylastic.strategies.nccl_recovery import NCCL_RECOVERY_ENVIRONMENT, BoundedAbort, NcclWatch, abort_steps
 from tests.support.helpers import job
@@ -53,13 +56,6 @@ def test_an_abort_shuts_down_the_gloo_connections_first_also_on_the_nccl_path(ba
     assert abort_steps(backend, has_connections=connections) == steps
 
 
-def test_the_nccl_watchdog_reports_and_our_abort_alone_acts():
-    """torch's note on _abort_process_group asks for TORCH_NCCL_ASYNC_ERROR_HANDLING=0; the heartbeat monitor, which
-    would end the process, is off too."""
-    assert NCCL_RECOVERY_ENVIRONMENT["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
-    assert NCCL_RECOVERY_ENVIRONMENT["TORCH_NCCL_ENABLE_MONITORING"] == "0"
-
-
 def test_an_abort_that_hangs_is_given_up_on_within_its_bound_and_joined_by_the_next_caller():
     release, calls = threading.Event(), []
 
@@ -73,7 +69,22 @@ def test_an_abort_that_hangs_is_given_up_on_within_its_bound_and_joined_by_the_n
     assert time.monotonic() - started < 10  # the bound, plus any slack a loaded machine needs
     release.set()
     assert bounded.run() is True and not bounded.in_flight
-    assert calls == [1]  # the second caller joined the abort in flight instead of starting another
+    assert calls == [1]  # the second caller joined this generation's abort instead of starting another
+    assert bounded.run() is True and calls == [1]
+    bounded.forget()  # the next generation's groups
+    assert not bounded.started
+    assert bounded.run() is True and calls == [1, 1]
+
+
+def test_a_step_whose_generation_was_aborted_is_discarded_as_a_peer_loss(monkeypatch):
+    """A collective our abort ended may return as if it had completed (NCCL, TORCH_NCCL_ASYNC_ERROR_HANDLING=0): the
+    step checks before its optimizer steps, and its error is a peer loss, so the survivors re-form."""
+    monkeypatch.setattr(process_group, "_nccl_abort", BoundedAbort(lambda: None, timeout_s=10))
+    process_group.raise_if_aborted()  # nothing aborted
+    assert process_group._nccl_abort.run() is True
+    with pytest.raises(torch.distributed.DistError, match="aborted") as aborted:
+        process_group.raise_if_aborted()
+    assert is_peer_loss(aborted.value)
 
 
 def test_an_abort_that_raises_has_returned():
@@ -104,9 +115,9 @@ def test_the_watch_aborts_once_on_the_first_error_torch_records():
 
 def test_a_stopped_watch_reports_nothing():
     reported: list[str] = []
-    watch = NcclWatch(read_errors=lambda: ["TIMEOUT"], on_error=reported.append, period_s=5.0).start()
+    watch = NcclWatch(read_errors=lambda: ["TIMEOUT"], on_error=reported.append, period_s=0.01).start()
     watch.stop()
-    time.sleep(0.1)
+    time.sleep(0.2)  # twenty periods
     assert reported == []
 
 

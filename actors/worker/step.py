@@ -49,6 +49,7 @@ from raylastic.actors.worker.optimizer_recipe import clip_gradients, learning_ra
 from raylastic.jobconfig import DataConfig, OptimConfig
 from raylastic.strategies.base import Strategy, TrainState
 from raylastic.strategies.parallel_layout import ParallelLayout
+from raylastic.strategies.process_group import raise_if_aborted
 from raylastic.workloads.protocol import Workload
 
 if TYPE_CHECKING:
@@ -151,6 +152,7 @@ class StepRunner:
         grad_norm = clip_gradients(state.model.parameters(), self.optim.clip_grad_norm,
                                    across=self.pipeline.group if self.pipeline is not None else None)
         loss_value = loss_sum.item()
+        raise_if_aborted()  # NCCL: a reduction our abort ended may have returned as if complete
         self._check_finite(step_index + 1, loss_value, grad_norm, rank)
         if math.isfinite(grad_norm) or self.scaler is not None:
             skipped = self._optimizer_step(state.optimizer)
