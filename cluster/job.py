@@ -69,9 +69,8 @@ PROGRESS_MISSES = 3
 """Progress calls in a row that the Controller may leave unanswered before the driver gives up on it."""
 ANSWER_SLICE_S = 0.1
 """While waiting for the Controller's answer, how often the driver looks at a stop asked meanwhile (SIGTERM)."""
-STOP_TIMEOUT_S = 15.0
-"""Longest the driver waits for a Controller asked to stop (it ends the step in flight, saves its checkpoint and
-gathers the model, and shuts its workers down) before it kills it."""
+STOP_SLACK_S = 15.0
+"""How long, beyond failure.max_step_s, the driver waits for a Controller asked to stop before it kills it."""
 CONTROLLER_END_S = 10.0
 """Longest the driver waits for a killed Controller to be gone before it removes the run's placement groups."""
 RESULT_FETCH_S = 60.0
@@ -139,7 +138,8 @@ def _run(job: JobConfig, run_dir: Path, checkpoint_root: str, address: str | Non
         with ray_session(address, min_cpus=_cpus_needed(job)), sigterm:  # after ray.init, which sets its own
             controller = _start_controller(job, checkpoint_root, reserved, profile_dir)
             try:
-                result = _follow(controller, controller_name(job.name), seen, follow, stop, stopping)
+                result = _follow(controller, controller_name(job.name), seen, follow, stop, stopping,
+                                 stop_within_s=stop_bound_s(job))
                 # Written before the Controller's end and Ray's (seconds), so that a stop's fit its grace period.
                 write_model(run_dir, result.model_state)  # before result.json says "finished"
                 write_result(run_dir, job, status="finished", result=result)
@@ -221,8 +221,15 @@ def _start_controller(job: JobConfig, checkpoint_root: str, reserved: ReservedBu
         job, checkpoint_root, reserved, profile_dir)
 
 
+def stop_bound_s(job: JobConfig) -> float:
+    """Longest the driver waits for a Controller asked to stop: it ends the step in flight, saves its checkpoint and
+    gathers the model (each bounded by failure.max_step_s) and shuts its workers down. A second Ctrl-C ends it at
+    once; ``ray job stop`` at RAY_JOB_STOP_WAIT_TIME_S."""
+    return job.failure.max_step_s + STOP_SLACK_S
+
+
 def _follow(controller: Any, name: str, seen: SeenProgress, on_progress: ProgressCallback, stop: StopRequest,
-            stopping: Callable[[str], None]) -> RunResult:
+            stopping: Callable[[str], None], *, stop_within_s: float) -> RunResult:
     """Poll the Controller's progress until its run ends. A stop (``stop`` asked, Ctrl-C, or an exception from
     ``on_progress`` such as Ray Tune's, kept as ``stop.unwinding``) ends it at a step boundary, after
     ``stopping(reason)``: RunStopped with what the stop kept. A second Ctrl-C meanwhile ends it at once."""
@@ -246,11 +253,14 @@ def _follow(controller: Any, name: str, seen: SeenProgress, on_progress: Progres
             if finished:
                 break
     except ray.exceptions.RayTaskError:  # raised by the Controller, which is alive (RunFailed: see _unwrap)
-        _stop(controller, done, seen)
+        _stop(controller, done, seen, within_s=STOP_SLACK_S)
         raise
     except ray.exceptions.RayActorError as error:  # the Controller is gone; its workers, its own actors, with it
         reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise RunFailed(f"the Controller ({name}) died at step {seen.step}: {reason}") from None
+    except ray.exceptions.RayError as error:  # e.g. an answer that did not arrive: no stop to ask of it
+        raise RunFailed(f"the Controller ({name}) could not be followed after step {seen.step}: "
+                        f"{type(error).__name__}: {error}") from None
     except KeyboardInterrupt:
         stop.ask(INTERRUPTED)
     except BaseException as error:  # e.g. Ray Tune stopping a trial from inside on_progress: stop the same way
@@ -264,7 +274,7 @@ def _follow(controller: Any, name: str, seen: SeenProgress, on_progress: Progres
         return _outcome(done, seen)
     try:
         stopping(stop.reason)
-        return _stopped(controller, done, seen, stop.reason)
+        return _stopped(controller, done, seen, stop.reason, within_s=stop_within_s)
     except KeyboardInterrupt:  # a second Ctrl-C: the caller ends the Controller now
         raise RunStopped(f"{stop.reason}, then again: ended at once after step {seen.step}") from None
 
@@ -282,11 +292,11 @@ def _answer(call: Any, timeout_s: float, stop: StopRequest) -> Any:
     return None
 
 
-def _stopped(controller: Any, done: Any, seen: SeenProgress, reason: str) -> RunResult:
+def _stopped(controller: Any, done: Any, seen: SeenProgress, reason: str, *, within_s: float) -> RunResult:
     """Stop the run for ``reason``: RunStopped saying where it stopped and what it kept (its result, if it finished
     meanwhile)."""
-    if not _stop(controller, done, seen):
-        raise RunStopped(f"{reason}: the Controller did not stop within {STOP_TIMEOUT_S:.0f} s of the stop asked "
+    if not _stop(controller, done, seen, within_s=within_s):
+        raise RunStopped(f"{reason}: the Controller did not stop within {within_s:.0f} s of the stop asked "
                          f"after step {seen.step} and was ended; its workers went with it")
     return _outcome(done, seen, reason)
 
@@ -302,12 +312,12 @@ def _outcome(done: Any, seen: SeenProgress, reason: str | None = None) -> RunRes
         raise RunStopped(f"{reason}: {stopped}", result=stopped.result) from None
 
 
-def _stop(controller: Any, done: Any, seen: SeenProgress) -> bool:
+def _stop(controller: Any, done: Any, seen: SeenProgress, *, within_s: float) -> bool:
     """End the run at the next step boundary; the Controller saves that step, gathers the model and shuts its
     workers down before it returns. What it logged meanwhile is added to ``seen``, if it still answers. Whether
-    it ended within STOP_TIMEOUT_S."""
+    it ended within ``within_s``."""
     controller.stop.remote()
-    ended, _ = ray.wait([done], timeout=STOP_TIMEOUT_S)
+    ended, _ = ray.wait([done], timeout=within_s)
     with contextlib.suppress(ray.exceptions.RayError):
         seen.add(ray.get(controller.progress.remote(**seen.cursor()), timeout=5))
     return bool(ended)

@@ -191,7 +191,7 @@ def test_a_controller_that_does_not_stop_within_the_bound_is_ended_and_result_js
         tmp_path, monkeypatch):
     assert threading.current_thread() is threading.main_thread(), "the SIGTERM handler needs the main thread"
     # The stalled step takes 600 s; within the bound, the watcher below reads result.json's first word.
-    monkeypatch.setattr("raylastic.cluster.job.STOP_TIMEOUT_S", 10.0)
+    monkeypatch.setattr("raylastic.cluster.job.stop_bound_s", lambda job: 10.0)  # not failure.max_step_s + 15 s
     run_dir = tmp_path / "run"
     stopping: list[dict] = []
 

@@ -84,7 +84,7 @@ def test_a_dp2_pp2_run_that_loses_a_worker_mid_schedule_goes_on_in_place_and_gro
     ready, it and the spare complete a second pipeline: the run grows back to (dp2, pp2) from the members' memory.
     It ends with an undisturbed run's parameters and every step applied once."""
     steps = 30
-    # slow while small (1.2 s a step): the growth comes in time on a loaded machine, and costs nothing once it came
+    # slow while small (1.2 s a step, 25 steps): room for the replacement to start; the pause ends once it joined
     options = TINY_GPT_OPTIONS[:-1] + ", pause_s: 0.3, full_world: 4}"
     disturbed = job("workload.name=tests.support.user_workload:CharGPTSlowWhileSmall", options, "parallel.pp=2",
                     "strategy.name=ddp", "scaling.min_workers=2", "scaling.max_workers=4", f"training.steps={steps}",

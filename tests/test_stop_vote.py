@@ -39,8 +39,8 @@ def _vote_loop(step_s: float, stop_from: int, steps: int = 400) -> tuple[list[in
 
 
 def test_a_stop_voted_at_the_last_step_finishes_the_generation():
-    """A joiner's boundary voted at the run's last step once formed a generation that trained nothing, and the final
-    checkpoint (the step's periodic save, reused) then named the layout before it (CI, test_tensor_parallel)."""
+    """A joiner's boundary voted at the run's last step forms no generation that trains nothing: the run finishes in
+    the layout that trained it, and its final checkpoint names that layout (test_tensor_parallel checks the run)."""
     assert stops_early(True, step=5, until_step=8)
     assert not stops_early(True, step=8, until_step=8)
     assert not stops_early(False, step=5, until_step=8)

@@ -26,7 +26,7 @@ from ray.tune import PlacementGroupFactory
 
 from raylastic.actors.status.run import RunStatus
 from raylastic.actors.worker_group.placement import ReservedBundles
-from raylastic.cluster.job import CONTROLLER_END_S, STOP_TIMEOUT_S, train
+from raylastic.cluster.job import CONTROLLER_END_S, stop_bound_s, train
 from raylastic.jobconfig import JobConfig
 from raylastic.jobconfig.naming import trial_run_name
 from raylastic.tuning.search_space import SearchSpace
@@ -38,9 +38,6 @@ COMPLETED = "completed"
 FINAL_STEP = "final_step"
 """In the last report instead of "step", so that ASHA, which stops trials on "step", ignores it."""
 STEP_METRICS = ("step", "time_s", "loss", "samples_per_s", "world_size")
-WIND_DOWN_S = STOP_TIMEOUT_S + CONTROLLER_END_S + 5
-"""The most a stopped trial's job takes to end: the stop at a step boundary (its save and the model), then the
-Controller's end."""
 DRIVER_BUNDLE = {"CPU": 0.01}
 """Bundle 0: the trial function (the job's driver); the Controller itself asks for no resources."""
 
@@ -72,9 +69,10 @@ def run_trial(config: dict[str, Any], *, base: JobConfig, space: SearchSpace, sw
     # Ray Tune gives this actor the next trial once this function has returned, waiting for that only
     # TUNE_FUNCTION_THREAD_TIMEOUT_S (2 s by default); a stopped job that took longer (ASHA stopped it, on a busy
     # machine) left the sweep waiting forever for a trial that Tune never started.
-    os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(int(WIND_DOWN_S))
     trial_id = tune.get_context().get_trial_id()
     job = trial_job(base, space, config, sweep_name=sweep_name, trial_id=trial_id)
+    wind_down_s = stop_bound_s(job) + CONTROLLER_END_S + 5  # the stop (its save and the model), the Controller's end
+    os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(int(wind_down_s))
     placement_group = ray.util.get_current_placement_group()
     reserved = ReservedBundles(placement_group, tuple(range(1, len(placement_group.bundle_specs))))
     reporter = StepReporter(placeholders={objective: None} if objective not in STEP_METRICS else {})

@@ -48,8 +48,7 @@ MAX_VOTE_INTERVAL = 100
 
 def stops_early(stop_voted: bool, step: int, until_step: int) -> bool:
     """Whether a generation stops after ``step`` short of its end: only for a stop voted before ``until_step``. A stop
-    voted at the last step (a joiner's boundary, Ctrl-C) finishes the run in the layout that trained it, so its final
-    checkpoint and model are that layout's, with no new generation formed to train nothing."""
+    voted at the last step (a joiner's boundary, Ctrl-C) finishes the run in the layout that trained it."""
     return stop_voted and step < until_step
 
 
