@@ -129,7 +129,11 @@ def test_forgetting_the_generations_before_one_keeps_it_the_later_ones_and_other
     ray.get(keys.abort.remote("run/generation/1"), timeout=60)
     assert ray.get(keys.forget_generations_before.remote("run", 10), timeout=60) == 3
     assert ray.get(keys.list_keys.remote(), timeout=60) == ["other/generation/1/0", "run/generation/10/0", "run/x"]
-    assert ray.get(keys.get.remote("run/generation/1/0", timeout_s=0.1), timeout=60) is None  # its mark went too
+    # a late rank of a generation gone neither waits out its timeout nor puts its keys back
+    with pytest.raises(ray.exceptions.RayTaskError, match="called off"):
+        ray.get(keys.get.remote("run/generation/2/0", timeout_s=600), timeout=60)
+    ray.get(keys.set.remote("run/generation/9/1", b"late"), timeout=60)
+    assert ray.get(keys.list_keys.remote(), timeout=60) == ["other/generation/1/0", "run/generation/10/0", "run/x"]
 
 
 @ray.remote(num_cpus=0)

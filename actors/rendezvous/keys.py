@@ -48,6 +48,9 @@ class RendezvousKeysStore:
         self._values: dict[str, bytes] = {}
         self._aborted: set[str] = set()
         """Key prefixes whose waits end at once, raising RendezvousAborted."""
+        self._forgotten: dict[str, int] = {}
+        """``<store prefix>/generation/`` -> the generation below which every key was dropped: a late rank's wait on
+        one of them ends at once, as a called-off one does, and what it sets is not kept."""
         self._changed = asyncio.Condition()
         self._rank_keys: dict[str, dict[str, bytes]] = {}
         """The keys that are a rank's (``rank_key_parent``), by their parent."""
@@ -100,18 +103,24 @@ class RendezvousKeysStore:
         formed: their groups are gone), so a run's store holds about one generation's keys however many times it
         recovers. Returns how many keys went."""
         base = f"{store_prefix}/generation/"
-
-        def older(key: str) -> bool:
-            number = key[len(base):].split("/", 1)[0] if key.startswith(base) else ""
-            return number.isdecimal() and int(number) < generation
-
         async with self._changed:
-            gone = [key for key in self._values if older(key)]
+            self._forgotten[base] = max(generation, self._forgotten.get(base, 0))
+            gone = [key for key in self._values if self._is_forgotten(key)]
             for key in gone:
                 del self._values[key]
-            self._rank_keys = {parent: keys for parent, keys in self._rank_keys.items() if not older(parent)}
-            self._aborted = {prefix for prefix in self._aborted if not older(prefix)}
+            self._rank_keys = {parent: keys for parent, keys in self._rank_keys.items()
+                               if not self._is_forgotten(parent)}
+            self._aborted = {prefix for prefix in self._aborted if not self._is_forgotten(prefix)}
+            self._changed.notify_all()
         return len(gone)
+
+    def _is_forgotten(self, key: str) -> bool:
+        """Whether ``key`` is of a generation ``forget_generations_before`` dropped."""
+        for base, below in self._forgotten.items():
+            if key.startswith(base):
+                number = key[len(base):].split("/", 1)[0]
+                return number.isdecimal() and int(number) < below
+        return False
 
     def check(self, keys: list[str]) -> bool:
         return all(key in self._values for key in keys)
@@ -127,6 +136,8 @@ class RendezvousKeysStore:
         return sorted(self._values)
 
     async def _store(self, key: str, value: bytes) -> None:
+        if self._is_forgotten(key):  # a late rank of a generation gone: nobody reads it
+            return
         async with self._changed:
             self._values[key] = value
             if (parent := rank_key_parent(key)) is not None:
@@ -135,7 +146,8 @@ class RendezvousKeysStore:
 
     async def _until(self, keys: list[str], ready: Callable[[], bool], timeout_s: float) -> bool:
         def aborted() -> bool:
-            return any(key.startswith(prefix) for key in keys for prefix in self._aborted)
+            return any(self._is_forgotten(key) or any(key.startswith(prefix) for prefix in self._aborted)
+                       for key in keys)
 
         async with self._changed:
             try:
@@ -145,7 +157,7 @@ class RendezvousKeysStore:
                 return False
             if aborted():
                 raise RendezvousAborted(f"the rendezvous of {keys} was called off: a member was lost while the "
-                                        "group formed")
+                                        "group formed, or a later generation formed")
         return True
 
 
