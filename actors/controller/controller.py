@@ -367,7 +367,8 @@ class Controller:
             self.log.event("checkpointed", self.step, path=path, reason=reason)  # else the loop's save, reported
         model_state = self.group.full_model_file(replicated=self.replicated)
         if isinstance(state, Stopping):
-            return self._stopped(path, model_state)
+            self.log.event("stopped", self.step, checkpoint=path)
+            return Stopped(self._result(self._last_loss(), model_state, path))
         try:
             metrics = self.group.evaluate()
         except MemberRaised as error:  # the model.pt is kept
@@ -375,23 +376,20 @@ class Controller:
         if self.job.eval.every_steps:  # the curve of eval rows ends with the final metrics
             self.log.add_evaluation(self.step, time.time(), metrics)
         memory = self.group.memory()
-        history = self.log.history()
-        metrics = {**({"loss": history[-1]["loss"]} if history else {}), **metrics}  # none when resumed at the end
+        metrics = {**self._last_loss(), **metrics}
         self.log.event("finished", self.step, **{k: round(v, 6) for k, v in metrics.items()})
-        return Finished(RunResult(
-            final_step=self.step, metrics=metrics, history=history, events=self.log.events(), model_state=model_state,
-            checkpoint=path, memory=memory, eval_history=self.log.evaluations(),
-            ledger=self.log.ledger() if self.job.training.record_samples else None))
+        return Finished(dataclasses.replace(self._result(metrics, model_state, path), memory=memory))
 
-    def _stopped(self, checkpoint: str, model_state: bytes) -> Stopped:
-        """The end of a stop: what it kept, as a finished run's result (the last step's loss as its metrics)."""
-        self.log.event("stopped", self.step, checkpoint=checkpoint)
+    def _last_loss(self) -> dict[str, float]:
+        """The last step's loss; none when no step ran in this run (resumed at its end)."""
         history = self.log.history()
-        return Stopped(RunResult(
-            final_step=self.step, metrics={"loss": history[-1]["loss"]} if history else {}, history=history,
-            events=self.log.events(), model_state=model_state, checkpoint=checkpoint,
-            eval_history=self.log.evaluations(),
-            ledger=self.log.ledger() if self.job.training.record_samples else None))
+        return {"loss": history[-1]["loss"]} if history else {}
+
+    def _result(self, metrics: dict[str, float], model_state: bytes, checkpoint: str) -> RunResult:
+        """What the run gives its driver as it ends here (finished, or stopped keeping its step)."""
+        return RunResult(final_step=self.step, metrics=metrics, history=self.log.history(), events=self.log.events(),
+                         model_state=model_state, checkpoint=checkpoint, eval_history=self.log.evaluations(),
+                         ledger=self.log.ledger() if self.job.training.record_samples else None)
 
 
 ControllerActor = ray.remote(num_cpus=0, max_concurrency=8)(Controller)
