@@ -20,6 +20,7 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,21 +61,18 @@ class Lines:
         self._queue.put(None)
 
     def wait_for(self, pattern: str, timeout_s: float = 240) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.seen.append(line)
+        for line in self._lines(timeout_s):
             if match := re.search(pattern, line):
                 return match
         raise AssertionError(f"no line matched {pattern!r} in:\n{''.join(self.seen)}")
 
     def drain(self, timeout_s: float = 30) -> None:
         """Take in the lines left, up to the end of the output (the process has ended)."""
+        for _ in self._lines(timeout_s):
+            pass
+
+    def _lines(self, timeout_s: float) -> Iterator[str]:
+        """The next lines, each kept in ``seen``, until the output ends or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -84,6 +82,7 @@ class Lines:
             if line is None:
                 return
             self.seen.append(line)
+            yield line
 
 
 # -- Ctrl-C and SIGTERM to a driver ---------------------------------------------------------------------------
