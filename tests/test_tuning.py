@@ -117,7 +117,11 @@ def test_asha_stops_a_bad_trial_early(sweeps):
     assert len(stopped) >= 1, frame.to_string()
     assert (stopped["steps"] < STEPS).all() and stopped["accuracy"].isna().all()
     assert frame.iloc[2]["status"] == "early_stopped"  # lr 3e-5, worse than the median at step 10
-    for run_dir in stopped["run_dir"]:  # each stopped job kept the step it stopped at, as a Ctrl-C does
+    # each stopped job kept the step it stopped at, as a Ctrl-C does; the sweep's last trial is left out: Tune ends
+    # the experiment by terminating its actor without waiting for the trial's thread (docs/sweeps.md)
+    kept = stopped[stopped.index != frame.index[-1]]
+    assert len(kept) >= 1, frame.to_string()
+    for run_dir in kept["run_dir"]:
         saved = json.loads((Path(run_dir) / "result.json").read_text())
         assert saved["status"] == "stopped" and read_manifest(saved["checkpoint"]).step == saved["final_step"], saved
         assert torch.load(Path(run_dir) / "model.pt", weights_only=True)
