@@ -1,6 +1,7 @@
 """Hooks into a worker's steps, installed only when the job configures what they emulate: injected faults
 (``faults:``), a slow rank (the ``throttle`` fault) and a slow link (``link:``). A step without them runs
-none of this code: ``step_hooks`` returns no hook.
+none of this code: ``step_hooks`` returns no hook. Ray is imported only by the faults that act through it: the
+step imports this module, and runs where Ray is not installed (the device check's torch.distributed group).
 
 A fault fires before its step, while the peers are already in it, so they are left inside that step's
 collectives, as with a real crash (torchft's tests inject ``fail_at(rank, step)`` the same way)::
@@ -21,9 +22,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import ray
-
-from raylastic.actors.processes.setup_hook import TRAINS_NOTHING
 from raylastic.actors.status.worker import StepResult
 from raylastic.jobconfig import FaultConfig
 from raylastic.strategies.emulated_link import EmulatedLink
@@ -143,16 +141,24 @@ def _ray_kill_self() -> None:
     """Ray kills this actor from outside, as an operator's ``ray.kill`` would: a task asks for it; the step
     waits inside, its peers inside its collectives. The task's process skips the training imports, so the kill
     comes within a second, not after a worker's start-up."""
-    _ray_kill.options(runtime_env=TRAINS_NOTHING).remote(ray.get_runtime_context().current_actor)
+    import ray
+
+    from raylastic.actors.processes.setup_hook import TRAINS_NOTHING
+
+    kill = ray.remote(num_cpus=0)(_ray_kill)
+    kill.options(runtime_env=TRAINS_NOTHING).remote(ray.get_runtime_context().current_actor)
     threading.Event().wait()
 
 
-@ray.remote(num_cpus=0)
-def _ray_kill(actor: ray.actor.ActorHandle) -> None:
+def _ray_kill(actor) -> None:
+    import ray
+
     ray.kill(actor, no_restart=True)
 
 
 def _kill_own_raylet() -> None:
+    import ray
+
     node_id = ray.get_runtime_context().get_node_id()
     node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
     if "node:__internal_head__" in node["Resources"]:
