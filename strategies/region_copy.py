@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +28,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from raylastic.strategies.base import Strategy, TrainState, init_optimizer_state
+from raylastic.strategies.host_copies import HostCopier, PendingCopy
 from raylastic.strategies.plain_objects import all_gather_plain, dtype_name, dtype_of
 from raylastic.strategies.region_plan import Piece, RegionCopy, RegionRestorePlan, RestoreTraffic
-from raylastic.strategies.shard_copy import PACK_ALIGNMENT
+from raylastic.strategies.shard_copy import INLINE, KEEP_TIMEOUT_S, PACK_ALIGNMENT
 
 Region = tuple[tuple[int, ...], tuple[int, ...]]
 """(offset, shape) of a part of an entry."""
@@ -43,15 +44,18 @@ class KeptRegions:
     """Every entry the rank held: its region and a CPU copy of it."""
 
 
-def keep_regions(strategy: Strategy, state: TrainState, *, copy: RegionCopy) -> KeptRegions | None:
-    """A CPU copy of this rank's part of ``state``; None at step 0 (every rank builds that state from the seed)."""
+def keep_regions(strategy: Strategy, state: TrainState, *, copy: RegionCopy, timeout_s: float = KEEP_TIMEOUT_S
+                 ) -> KeptRegions | None:
+    """A CPU copy of this rank's part of ``state``; None at step 0 (every rank builds that state from the seed).
+    From a GPU into one pinned buffer, the copies queued together and waited for once (up to ``timeout_s``)."""
     if copy.step == 0:
         return None
-    parts = {}
-    for key, value in strategy.state_dict(state).items():
-        region, local = _local_part(value)
-        parts[key] = (region, local.detach().to("cpu", copy=True))
-    return KeptRegions(copy=copy, parts=parts)
+    flat = strategy.state_dict(state)
+    packer = RegionPacker(flat)
+    copier = HostCopier.for_tensors(list(flat.values()))
+    buffer = copier.pool.take(packer.size)
+    packer.pack(buffer, copier=copier).wait(timeout_s)
+    return KeptRegions(copy=copy, parts=unpack_regions(packer.entries, buffer))
 
 
 def restore_regions(kept: list[KeptRegions], plan: RegionRestorePlan, strategy: Strategy, state: TrainState,
@@ -118,15 +122,16 @@ class RegionPacker:
             offset += -(-local.numel() * local.element_size() // PACK_ALIGNMENT) * PACK_ALIGNMENT
         self.size = offset
 
-    def pack(self, out: torch.Tensor, fresh: dict[str, torch.Tensor] | None = None) -> None:
-        """Copy every local tensor into ``out`` (``self.size`` bytes)."""
-        pinned = out.is_pinned()
+    def pack(self, out: torch.Tensor, fresh: dict[str, torch.Tensor] | None = None, copier: HostCopier | None = None,
+             ordered: Collection[str] = ()) -> PendingCopy:
+        """Copy every local tensor into ``out`` (``self.size`` bytes) with ``copier`` (None: a plain copy, done on
+        return); ``ordered``: the keys the next step's forward may change in place (strategies/host_copies.py)."""
+        pairs, first = [], []
         for key, local in self._locals:
             region, dtype, offset = self.entries[key]
             target = out[offset:offset + local.numel() * local.element_size()].view(dtype).view(region[1])
-            target.copy_(local, non_blocking=pinned)
-        if pinned:
-            torch.cuda.current_stream().synchronize()
+            (first if key in ordered else pairs).append((target, local))
+        return (copier or INLINE).copy(pairs, ordered=first)
 
 
 def region_packed_size(entries: dict[str, tuple[Region, torch.dtype, int]]) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from raylastic.strategies.base import Strategy, TrainState, init_optimizer_state, scaler_entries, set_scaler
+from raylastic.strategies.host_copies import HostCopier, PendingCopy
 from raylastic.strategies.peer_restore import PeerRestorePlan, ShardCopy
 from raylastic.strategies.plain_objects import broadcast_plain, dtype_name, dtype_of
 from raylastic.strategies.shard_layout import ShardLayout, row_bounds
@@ -46,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 PACK_ALIGNMENT = 16
 """Bytes: where each entry of a packed shard starts (a multiple of every dtype's size)."""
+KEEP_TIMEOUT_S = 120.0
+"""How long a worker leaving a generation waits for its device's copy of its shard."""
+INLINE = HostCopier(torch.device("cpu"))
+"""Plain copies, done on return (from a GPU too: a blocking copy)."""
 
 
 @dataclass(frozen=True)
@@ -67,20 +73,23 @@ class KeptShards:
 
 
 def keep_shards(strategy: Strategy, state: TrainState, scaler: torch.amp.GradScaler | None, *, generation: int,
-                step: int) -> KeptShards | None:
+                step: int, timeout_s: float = KEEP_TIMEOUT_S) -> KeptShards | None:
     """A CPU copy of this rank's shard of ``state`` (committed ``step`` steps, in ``generation``). None at step
     0 (every rank rebuilds that state from the seed; an optimizer's state is not built yet) and when the state
-    is not one step's: zero1 lost a peer while gathering an update (``ShardedOptimizer.stepping``)."""
+    is not one step's: zero1 lost a peer while gathering an update (``ShardedOptimizer.stepping``). From a GPU
+    into one pinned buffer, the copies queued together and waited for once (up to ``timeout_s``)."""
     assert state.layout is not None, f"{strategy.name} keeps no shard layout"
     flat = shard_state(strategy, state, scaler, step)
     if flat is None:
         return None
     layout = state.layout
-    entries = {key: _Entry(tuple(value.shape), value.dtype) for key, value in flat.items()}
-    rows = {key: mine for key, value in flat.items() if (mine := _rows_of_shard(value, layout)) is not None}
+    packer = ShardPacker(flat, layout)
+    copier = HostCopier.for_tensors(list(flat.values()))
+    buffer = copier.pool.take(packer.size)
+    packer.pack(buffer, copier=copier).wait(timeout_s)
     copy = ShardCopy(generation=generation, world_size=layout.world_size, replicas=layout.replicas,
                      rank=layout.rank, step=step)
-    return KeptShards(copy=copy, entries=entries, rows=rows)
+    return KeptShards(copy=copy, entries=packer.entries, rows=unpack_shard(packer.entries, buffer, layout))
 
 
 def shard_state(strategy: Strategy, state: TrainState, scaler: torch.amp.GradScaler | None, step: int
@@ -124,21 +133,23 @@ class ShardPacker:
         self._targets: dict[tuple[int, int], list[torch.Tensor]] = {}
         """(a buffer's address, size) -> the views of it that the parts are copied into."""
 
-    def pack(self, out: torch.Tensor, fresh: dict[str, torch.Tensor] | None = None) -> None:
-        """Copy the rows into ``out`` (``self.size`` bytes); entries of ``fresh`` (the loss scaler's, which are
-        copies made anew) are taken from there. From a GPU, without a whole shard's temporary there."""
+    def pack(self, out: torch.Tensor, fresh: dict[str, torch.Tensor] | None = None, copier: HostCopier | None = None,
+             ordered: Collection[str] = ()) -> PendingCopy:
+        """Copy the rows into ``out`` (``self.size`` bytes) with ``copier`` (None: a plain copy, done on return);
+        entries of ``fresh`` (the loss scaler's, which are copies made anew) are taken from there; ``ordered``:
+        the keys the next step's forward may change in place (strategies/host_copies.py). From a GPU, without a
+        whole shard's temporary there."""
         key_of_buffer = (out.data_ptr(), out.numel())
         if key_of_buffer not in self._targets:
             if len(self._targets) > 4:  # buffers come and go: keep the views of the few in use
                 self._targets.clear()
             self._targets[key_of_buffer] = [out[offset:offset + nbytes].view(rows.dtype).view(rows.shape)
                                             for _, offset, nbytes, rows in self._parts]
-        pinned = out.is_pinned()
+        pairs, first = [], []
         for (key, _, _, rows), target in zip(self._parts, self._targets[key_of_buffer], strict=True):
             source = _local_rows(fresh[key], self.layout) if fresh and key in fresh else rows
-            target.copy_(source, non_blocking=pinned)
-        if pinned:
-            torch.cuda.current_stream().synchronize()  # the copies from the GPU are in; the buffer may be sent
+            (first if key in ordered else pairs).append((target, source))
+        return (copier or INLINE).copy(pairs, ordered=first)
 
 
 def pack_shard(flat: dict[str, torch.Tensor], layout: ShardLayout, entries: dict[str, _Entry],
@@ -147,7 +158,7 @@ def pack_shard(flat: dict[str, torch.Tensor], layout: ShardLayout, entries: dict
     entry after entry in ``entries``' order (``entries_of(flat)``)."""
     packer = ShardPacker(flat, layout)
     assert packer.entries == entries, "the entries are the flat state's"
-    packer.pack(out)
+    packer.pack(out)  # a plain copy: done on return
 
 
 def local_storage(value: torch.Tensor) -> int:
@@ -225,14 +236,6 @@ def load_full_state(strategy: Strategy, state: TrainState, scaler: torch.amp.Gra
             value.copy_(source)
     strategy.load_state_dict(state, live)
     set_scaler(scaler, full)
-
-
-def _rows_of_shard(value: torch.Tensor, layout: ShardLayout) -> torch.Tensor | None:
-    """``layout.shard``'s rows of ``value`` (of its local part, for a DTensor) as a CPU copy; None for a 0-dim
-    entry outside shard 0."""
-    if value.dim() == 0 and layout.shard != 0:
-        return None
-    return _local_rows(value, layout).detach().to("cpu", copy=True)
 
 
 def _local_rows(value: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
