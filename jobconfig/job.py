@@ -43,12 +43,9 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         require(is_run_name(self.name), "name", RUN_NAME_CHARACTERS, self.name)
-        if self.training.precision == "fp16" and not self.scaling.use_gpu:
-            raise ValueError("training.precision=fp16 needs scaling.use_gpu=true: fp16 with dynamic loss scaling "
-                             "is for GPUs; on CPUs use training.precision=bf16")
-        if self.training.precision == "fp16" and self.strategy.name != "ddp":
-            raise ValueError(f"training.precision=fp16 works with strategy.name=ddp only (its loss scaler checks "
-                             f"whole gradients), got {self.strategy.name!r}; use bf16")
+        require(not (self.training.precision == "fp16" and self.strategy.name == "async_ps"), "training.precision",
+                "fp32 or bf16 with strategy.name=async_ps (its workers push gradients without fp16's loss scaler)",
+                self.training.precision)
         if self.strategy.offload and not self.scaling.use_gpu:
             raise ValueError("strategy.offload=true needs scaling.use_gpu=true: FSDP2's CPU offload moves parameters "
                              "between host and GPU memory; CPU workers hold them in host memory already")
@@ -95,8 +92,6 @@ class JobConfig:
             require(not value, f"strategy.{name}", f"left at its default {when} (it is a hook of torch DDP; "
                     "under model parallelism FSDP2 reduces the gradients)", getattr(strategy, name))
         require(not training.compile, "training.compile", f"false {when} (not supported yet)", training.compile)
-        require(training.precision != "fp16", "training.precision", f"fp32 or bf16 {when} (fp16's loss scaler "
-                "checks whole gradients)", training.precision)
         unit = parallel.model_parallel
         require(scaling.max_workers % unit == 0, "scaling.max_workers",
                 f"a multiple of parallel.tp x parallel.pp ({unit}): every copy of the model takes that many "

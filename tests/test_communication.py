@@ -165,21 +165,21 @@ def test_resize_during_compressed_run_keeps_training_and_compressing(tmp_path, k
     assert result.metrics["accuracy"] >= 0.8  # undisturbed, 100 steps: 0.90 (1-bit) to 0.95 (none)
 
 
-def test_fp16_precision_on_cpu_is_refused_with_a_clear_error():
-    with pytest.raises(ValueError, match=r"training\.precision=fp16 needs scaling\.use_gpu=true.*bf16"):
-        load_job_config(None, ["training.precision=fp16"])
-    with pytest.raises(ValueError, match="GPUs"):
-        JobConfig(training=TrainingConfig(precision="fp16"))
+def test_fp16_precision_without_a_loss_scaler_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match=r"training\.precision must be fp32 or bf16 with strategy\.name=async_ps"):
+        JobConfig(training=TrainingConfig(precision="fp16"), strategy=StrategyConfig(name="async_ps"))
+    load_job_config(None, ["training.precision=fp16"])  # on CPU too: autocast and the loss scaler run there
     load_job_config(None, ["training.precision=bf16", "strategy.compression=fp16"])  # the fp16 comm hook is fine
 
 
 @pytest.mark.processes
-def test_cli_refuses_fp16_precision_on_cpu_before_starting_ray():
-    done = subprocess.run([sys.executable, "-c", GUARDED_MAIN, "train", "--set", "training.precision=fp16"],
+def test_cli_refuses_fp16_precision_under_async_ps_before_starting_ray():
+    done = subprocess.run([sys.executable, "-c", GUARDED_MAIN, "train", "--set", "training.precision=fp16",
+                           "--set", "strategy.name=async_ps"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                           env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "CI": "true"})
     assert done.returncode != RAY_INIT_EXIT_CODE, "ray.init was reached"
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
-    assert done.stderr.startswith("error: ") and "training.precision=fp16 needs scaling.use_gpu=true" in done.stderr
+    assert done.stderr.startswith("error: ") and "training.precision must be fp32 or bf16" in done.stderr
 

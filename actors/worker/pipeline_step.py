@@ -70,24 +70,29 @@ class Pipeline:
     step_index: int = 0
     position: int = 0
     samples_per_microbatch: int = 1
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """fp16's loss scaling (the scaler's ``scale``), applied to the loss the schedule's backward starts from."""
 
     @classmethod
     def build(cls, modules: dict[int, torch.nn.Module], *, holders: dict[int, int], group: dist.ProcessGroup,
               device: torch.device, schedule: str, microbatches: int,
               loss: Callable[[Any, Any], torch.Tensor], weight: float, seed: int,
-              streams: Callable[[int], int] = lambda stage: stage) -> Pipeline:
+              streams: Callable[[int], int] = lambda stage: stage,
+              scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Pipeline:
         """This rank's stages (``modules``: stage index -> module) of a pipeline over ``group`` (the pp mesh's;
         ``holders``: every stage's rank in it), run by ``schedule`` in ``microbatches`` micro-batches;
         ``loss(output, target)`` is a micro-batch's mean loss, ``weight`` dp / B; ``streams(stage)``: the random
-        stream the stage draws from."""
+        stream the stage draws from; ``scale``: fp16's loss scaling (the scaler's ``scale``), applied to what the
+        schedule's backward starts from."""
         def weighted_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-            return loss(output, target).float() * target.shape[0] * weight
+            weighted = loss(output, target).float() * target.shape[0] * weight
+            return scale(weighted) if scale is not None else weighted
 
         stages = [SeededStage(module, index, len(holders), device, group=group)
                   for index, module in sorted(modules.items())]
         runner = SCHEDULES[schedule](stages[0] if schedule in ONE_STAGE_SCHEDULES else stages,
                                      n_microbatches=microbatches, loss_fn=weighted_loss, scale_grads=False)
-        pipeline = cls(stages, runner, holders, loss, microbatches, seed, weight)
+        pipeline = cls(stages, runner, holders, loss, microbatches, seed, weight, scale=scale)
         for stage in stages:
             stage.chunk_seed = functools.partial(pipeline.chunk_seed, stream=streams(stage.stage_index))
         return pipeline
@@ -101,9 +106,9 @@ class Pipeline:
     @classmethod
     def for_generation(cls, model: torch.nn.Module, mesh: ParallelMesh | None, parallel: ParallelConfig, *,
                        device: torch.device, loss: Callable[[Any, Any], torch.Tensor], global_batch_size: int,
-                       seed: int) -> Pipeline | None:
+                       seed: int, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Pipeline | None:
         """This rank's stages of a generation laid out on ``mesh``, around its (set up) ``model`` (a ModelParts
-        with several stages); None without pipeline parallelism."""
+        with several stages); None without pipeline parallelism. ``scale``: fp16's loss scaling (``build``)."""
         if mesh is None or mesh.pp is None:
             return None
         layout, at = mesh.layout, mesh.layout.coordinates(dist.get_rank())
@@ -113,7 +118,7 @@ class Pipeline:
         return cls.build(modules, holders=holders, group=mesh.pp.get_group(), device=device,
                          schedule=parallel.pp_schedule, microbatches=layout.microbatches or parallel.microbatches,
                          loss=loss, weight=layout.dp / global_batch_size, seed=seed,
-                         streams=lambda stage: stage * layout.tp + at.tp)
+                         streams=lambda stage: stage * layout.tp + at.tp, scale=scale)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -150,13 +155,15 @@ class Pipeline:
         for stage in self.stages:
             stage.before_chunk = before_microbatch
         self.samples_per_microbatch = len(targets) // self.microbatches
-        losses: list[torch.Tensor] = []  # the weighted loss of each micro-batch (the last stage's)
+        losses: list[torch.Tensor] = []  # the weighted (fp16: and scaled) loss of each micro-batch (the last stage's)
         first = any(stage.is_first for stage in self.stages)
         self.schedule.step(*((inputs,) if first else ()),
                            **({"target": targets, "losses": losses} if self.holds_loss else {}))
         if not self.holds_loss:
             return torch.zeros(())
         summed = torch.stack([_plain(loss.detach()) for loss in losses]).sum()
+        if self.scale is not None:  # a power of two: the division is exact, and stays on the device
+            summed = summed / self.scale(torch.ones((), device=summed.device))
         return summed / self.weight
 
 

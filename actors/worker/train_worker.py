@@ -62,6 +62,7 @@ from raylastic.strategies.checkpoint import Checkpointer, load_into, verify_for_
 from raylastic.strategies.emulated_link import EmulatedLink
 from raylastic.strategies.group_assignment import GroupAssignment
 from raylastic.strategies.group_connections import GroupConnections
+from raylastic.strategies.loss_scaling import loss_scaler_for
 from raylastic.strategies.model_parts import canonical_name
 from raylastic.strategies.parallel_mesh import ParallelMesh, parallel_mesh
 from raylastic.strategies.peer_restore import PeerRestorePlan
@@ -111,7 +112,9 @@ class TrainWorker:
             order=GlobalSampleOrder(len(dataset), training.global_batch_size, training.seed),
             micro_batch_size=training.micro_batch_size, device=self.device, optim=spec.optim,
             total_steps=training.steps, seed=training.seed, record_samples=training.record_samples,
-            precision=training.precision, scaler=torch.amp.GradScaler("cuda") if training.precision == "fp16" else None,
+            precision=training.precision,
+            scaler=(loss_scaler_for(spec.strategy.name, model_parallel=spec.parallel.model_parallel,
+                                    device_type=self.device.type) if training.precision == "fp16" else None),
             on_nonfinite=training.on_nonfinite, clock=ComputeClock(self.device))
         self.link = EmulatedLink.of(spec.link)
         self.evaluator = Evaluator(self.workload, batch_size=spec.eval.batch_size, device=self.device,
@@ -185,7 +188,7 @@ class TrainWorker:
         self.runner.pipeline = Pipeline.for_generation(
             self.state.model, self._mesh, self.spec.parallel, device=self.device,
             loss=getattr(self.workload, "pipeline_loss", None), global_batch_size=self.spec.training.global_batch_size,
-            seed=self.spec.training.seed)
+            seed=self.spec.training.seed, scale=self.runner.scaler.scale if self.runner.scaler is not None else None)
         self.evaluator.pipeline = self.runner.pipeline
         if self.spec.training.compile:
             self.state.wrapped = torch.compile(self.state.wrapped)

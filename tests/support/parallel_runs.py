@@ -44,10 +44,10 @@ wrong split would be off by whole updates."""
 
 def setup(layout: ParallelLayout | None, strategy_name: str = "ddp", precision: str = "fp32",
           workload_spec: tuple[str, dict] = WORKLOAD, activation_checkpointing: str = "none",
-          schedule: str = "1f1b", microbatches: int | None = None):
+          schedule: str = "1f1b", microbatches: int | None = None, scaler: torch.amp.GradScaler | None = None):
     """The strategy, state and step runner of one rank of a generation laid out as ``layout`` (None: no model
     parallelism; a pipeline by ``schedule`` in ``microbatches`` under pp), training ``workload_spec`` (name,
-    options), as TrainWorker.join sets them up."""
+    options), as TrainWorker.join sets them up; ``scaler``: fp16's loss scaler."""
     workload = load_workload(*workload_spec)
     parallel = (ParallelConfig(tp=layout.tp, pp=layout.pp, **({"pp_schedule": schedule, "pp_microbatches": microbatches}
                                                                if layout.pp > 1 else {}))
@@ -68,9 +68,11 @@ def setup(layout: ParallelLayout | None, strategy_name: str = "ddp", precision: 
                         order=GlobalSampleOrder(len(dataset), GLOBAL_BATCH, seed=0),
                         micro_batch_size=None if layout is not None and layout.pp > 1 else 2,
                         device=torch.device("cpu"), precision=precision, layout=layout, record_samples=True,
+                        scaler=scaler,
                         pipeline=Pipeline.for_generation(state.model, mesh, parallel, device=torch.device("cpu"),
                                                          loss=getattr(workload, "pipeline_loss", None),
-                                                         global_batch_size=GLOBAL_BATCH, seed=0))
+                                                         global_batch_size=GLOBAL_BATCH, seed=0,
+                                                         scale=scaler.scale if scaler is not None else None))
     return workload, strategy, state, runner
 
 
