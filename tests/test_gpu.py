@@ -1,14 +1,16 @@
-"""GPU workers (NCCL): mixed precision, a survivor that outlives its killed peer, a node's workers on P2P.
+"""GPU workers (NCCL) through Ray: mixed precision, every strategy, a survivor that outlives its killed peer, a
+re-plan, a node's workers binding their own GPU and talking P2P.
 
-The GPU tests run one worker per visible GPU (at most 2) through cluster.job.train and are skipped
-where torch sees no CUDA device; the kill test needs two GPUs (with one, a compression hook has nothing
-to send: its arithmetic on CUDA tensors runs only with two), and so do the device binding and NCCL abort
-tests (two Ray actors on one node forming NCCL groups). Without CUDA, what runs instead is
-what a user then gets from scaling.use_gpu=true: an error naming the field, not a silent CPU run (a
+The GPU tests (marked ``gpu``: the device check, benchmarks/device_check.py, runs them) run one worker per visible
+GPU (at most 2) through cluster.job.train and are skipped where torch sees no CUDA device; the kill test, the
+re-plan, P2P and the NCCL abort need two GPUs (with one, a compression hook has nothing to send: its arithmetic on
+CUDA tensors with a peer runs only with two; tests/test_gpu_torch.py runs it without Ray). Without CUDA, what runs
+instead is what a user then gets from scaling.use_gpu=true: an error naming the field, not a silent CPU run (a
 local Ray is given 2 logical GPUs, so the workers are placed and the error comes from them), and which
 device each GPU worker would bind and see (a local Ray given 4 logical GPUs named by UUID).
 
-    python -m pytest tests/test_gpu.py -v     # on a GPU machine
+    python -m benchmarks.device_check         # on a GPU machine: these and every other GPU test
+    python -m pytest tests/test_gpu.py -v     # these alone
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from tests.support.helpers import assert_states_close, job, load_model
 
 NUM_GPUS = min(2, torch.cuda.device_count())
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
+    f"needs 2 CUDA devices, this machine has {torch.cuda.device_count()}" if torch.cuda.is_available()
+    else "needs a CUDA device"))
 without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 
 
@@ -89,10 +93,12 @@ def _saved_scale(checkpoint: str) -> float:
     return entries["scaler.scale"].item()
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_gpu_workers_train_with_nccl(tmp_path, precision):
+def test_gpu_workers_train_with_nccl(tmp_path, record_property, precision):
+    record_property("ranks", NUM_GPUS)
     result = train(_gpu_job(f"training.precision={precision}", name=f"gpu-{precision}"), run_dir=tmp_path)
     assert result.final_step == 20 and {row["world_size"] for row in result.history} == {NUM_GPUS}
     losses = [row["loss"] for row in result.history]
@@ -117,11 +123,13 @@ GPU_STRATEGIES = {
 }
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("overrides", GPU_STRATEGIES.values(), ids=GPU_STRATEGIES.keys())
-def test_every_strategy_trains_on_nccl_workers_and_exports_a_cpu_model(tmp_path, overrides):
+def test_every_strategy_trains_on_nccl_workers_and_exports_a_cpu_model(tmp_path, record_property, overrides):
     """The comm hooks, FSDP2 and DiLoCo's outer step on CUDA tensors; model.pt loads on a machine without CUDA."""
+    record_property("ranks", NUM_GPUS)
     result = train(_gpu_job(*overrides, name="gpu-strategy"), run_dir=tmp_path)
     assert result.final_step == 20 and {row["world_size"] for row in result.history} == {NUM_GPUS}
     losses = [row["loss"] for row in result.history]
@@ -129,10 +137,12 @@ def test_every_strategy_trains_on_nccl_workers_and_exports_a_cpu_model(tmp_path,
     assert {tensor.device.type for tensor in load_model(tmp_path).values()} == {"cpu"}
 
 
+@pytest.mark.gpu
 @requires_two_gpus
 @pytest.mark.usefixtures("ray_local")
-def test_nccl_survivor_carries_on_when_its_peer_is_killed(tmp_path):
+def test_nccl_survivor_carries_on_when_its_peer_is_killed(tmp_path, record_property):
     """fp16: the replacement receives the survivor's loss scale with the model, so both scale alike."""
+    record_property("ranks", 2)
     common = ("training.precision=fp16", "failure.collective_timeout_s=10", "failure.step_timeout_s=10")
     undisturbed = train(_gpu_job(*common, name="nccl-undisturbed"), run_dir=tmp_path / "undisturbed")
     killed = train(_gpu_job(*common, "faults=[{action: kill, rank: 1, step: 8}]", name="nccl-kill"),
@@ -143,6 +153,31 @@ def test_nccl_survivor_carries_on_when_its_peer_is_killed(tmp_path):
     assert recovered.details["recovery_s"] < 10 + 10  # the survivor raised in time, it did not die with its peer
     assert_states_close(load_model(tmp_path / "kill"), load_model(tmp_path / "undisturbed"), rtol=1e-3, atol=1e-4)
     assert _saved_scale(killed.checkpoint) == _saved_scale(undisturbed.checkpoint)
+
+
+TINY_UNTIED_GPT = ("workload.name=chargpt", "workload.options={n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, "
+                   "corpus_chars: 30000, tie_embeddings: false}")
+
+
+@pytest.mark.gpu
+@requires_two_gpus
+@pytest.mark.usefixtures("ray_local")
+def test_a_pp2_run_that_loses_a_gpu_worker_re_plans_onto_its_survivor_from_memory(tmp_path, record_property):
+    """A pipeline stage on each of two GPUs; rank 1 is killed at step 6 with no checkpoint written: the survivor
+    re-forms alone with the whole model, the lost stage taken from its buddy copy (pinned host memory), no
+    committed step lost, and the run finishes."""
+    record_property("ranks", 2)
+    steps = 16
+    result = train(_gpu_job(*TINY_UNTIED_GPT, "parallel.pp=2", "scaling.min_workers=1", "scaling.max_workers=2",
+                            f"training.steps={steps}", "training.global_batch_size=8", "checkpoint.every_steps=0",
+                            "checkpoint.every_minutes=0", "faults=[{action: kill, rank: 1, step: 6}]",
+                            name="gpu-replan"), run_dir=tmp_path)
+    formed = [e.details for e in result.events if e.type == "generation_formed"]
+    keys = ("layout", "state_source", "previous_layout", "steps_lost")
+    assert result.final_step == steps and formed[0]["layout"] == "pp2", formed
+    assert tuple(formed[1][key] for key in keys) == ("dp1", "buddy", "pp2", 0), formed
+    assert [e.type for e in result.events].count("worker_failed") == 1, result.events
+    assert all(math.isfinite(row["loss"]) for row in result.history)
 
 
 @ray.remote(num_cpus=0.5, num_gpus=1)
@@ -211,9 +246,25 @@ def _join(ranks: list, generation: int, tmp_path: Path, timeout_s: float) -> Non
             timeout=timeout_s + 120)
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.usefixtures("ray_local")
+def test_a_gpu_worker_binds_the_gpu_ray_assigned_it_and_sees_every_gpu_of_its_node(record_property):
+    record_property("ranks", 1)
+    rank = _NcclRank.options(runtime_env=worker_runtime_env(ScalingConfig(use_gpu=True))).remote()
+    try:
+        seen = ray.get(rank.seen.remote(), timeout=300)
+        assert seen["current"] == seen["index"] and seen["count"] == torch.cuda.device_count()
+        assert seen["visible"] == os.environ.get(VISIBLE_DEVICES)  # as the node has it: Ray did not narrow it
+    finally:
+        ray.kill(rank)
+
+
+@pytest.mark.gpu
 @requires_two_gpus
 @pytest.mark.usefixtures("ray_local")
-def test_a_nodes_gpu_workers_bind_their_own_gpu_see_their_peers_and_talk_p2p(tmp_path):
+def test_a_nodes_gpu_workers_bind_their_own_gpu_see_their_peers_and_talk_p2p(tmp_path, record_property):
+    record_property("ranks", 2)
     ranks = _nccl_ranks(tmp_path, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P",
                         NCCL_DEBUG_FILE=str(tmp_path / "nccl.%h.%p.log"))
     try:
@@ -231,12 +282,15 @@ def test_a_nodes_gpu_workers_bind_their_own_gpu_see_their_peers_and_talk_p2p(tmp
             ray.kill(rank)
 
 
+@pytest.mark.gpu
 @requires_two_gpus
 @pytest.mark.usefixtures("ray_local")
-def test_an_nccl_collective_whose_peer_stays_away_ends_by_our_abort_and_the_survivor_joins_again(tmp_path):
+def test_an_nccl_collective_whose_peer_stays_away_ends_by_our_abort_and_the_survivor_joins_again(tmp_path,
+                                                                                                 record_property):
     """At the group's timeout torch's watchdog records the error and our watch aborts (the watchdog itself aborts
     nothing: TORCH_NCCL_ASYNC_ERROR_HANDLING=0); before it, abort_group does. Either way the process lives on and
     joins the next generation."""
+    record_property("ranks", 2)
     ranks = _nccl_ranks(tmp_path)
     survivor = ranks[0]
     try:
