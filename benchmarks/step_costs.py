@@ -115,11 +115,11 @@ def make_step(variant: str, sections: dict) -> Callable[[int], None]:
     return voting_step
 
 
-def _peer_clipping(parameters: Iterable[torch.nn.Parameter], max_norm: float, across: object = None) -> float:
+def _peer_clipping(parameters: Iterable[torch.nn.Parameter], max_norm: float, across: object = None) -> torch.Tensor:
     """torch's clipping, as the peer clips (``across``: the pipeline's stages, which the benchmark has none of)."""
     if max_norm > 0:
         torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    return 0.0
+    return torch.zeros(())
 
 
 ABLATIONS: dict[str, dict[str, Callable]] = {"-norm": {"clip_gradients": _peer_clipping},
@@ -223,8 +223,8 @@ def piece_costs(sections: dict, repeats: int = 7) -> dict[str, float]:
         lambda: tuple(t[torch.as_tensor(share)] for t in dataset.tensors))
     pieces: dict[str, Callable[[], object]] = {
         "step: forward+backward+optimizer (for scale)": train_step,
-        "clip_gradients(max_norm=1.0): ours, norm + clip + .item()": lambda: clip_gradients(parameters, 1.0),
-        "clip_gradients(max_norm=0): ours without clipping, norm + .item()": lambda: clip_gradients(parameters, 0.0),
+        "clip_gradients(max_norm=1.0): ours, norm + clip": lambda: clip_gradients(parameters, 1.0),
+        "clip_gradients(max_norm=0): ours without clipping, norm": lambda: clip_gradients(parameters, 0.0),
         "torch clip_grad_norm_(1.0): the peer's": lambda: torch.nn.utils.clip_grad_norm_(parameters, 1.0),
         "seed_rng(step_seed(...)): ours, per micro-batch": lambda: seed_rng(step_seed(0, 1000, 32), cpu),
         "torch.manual_seed (every backend, for comparison)": lambda: torch.manual_seed(1),

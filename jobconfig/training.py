@@ -57,6 +57,13 @@ class TrainingConfig:
     on_nonfinite: OnNonfinite = "fail"
     """A step whose loss or gradient norm is inf/NaN: "fail" ends the run with an error naming the step;
     "skip" discards the step's update on every rank (the step still counts) and marks its row skipped."""
+    log_every_steps: int = 100
+    """The most steps between two reads of the steps' losses and gradient norms from the device. Between reads a
+    step makes no host synchronisation (on a GPU the next steps' kernels queue behind it); each read takes every
+    step since the last one in one transfer, so the history keeps a row per step. Reads also come at every stop
+    vote (about every 50 ms, actors/worker/stop_vote.py), save, evaluation and the last step, and every step with
+    record_samples; the Controller takes results once a second. An inf/NaN step under on_nonfinite=fail fails the
+    run at the next read, naming the step, before any save. 1: read every step."""
 
     def __post_init__(self) -> None:
         require(is_positive_int(self.steps), "training.steps", "a positive integer", self.steps)
@@ -74,6 +81,8 @@ class TrainingConfig:
                 one_of(ACTIVATION_CHECKPOINTING), self.activation_checkpointing)
         require(is_non_negative_int(self.profile_steps), "training.profile_steps", "a non-negative integer",
                 self.profile_steps)
+        require(is_positive_int(self.log_every_steps), "training.log_every_steps", "a positive integer",
+                self.log_every_steps)
         require(self.on_nonfinite in get_args(OnNonfinite), "training.on_nonfinite", one_of(get_args(OnNonfinite)),
                 self.on_nonfinite)
 

@@ -25,16 +25,22 @@ from raylastic.jobconfig import OptimConfig
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
 
-def optimizer_factory(config: OptimConfig, configure: Callable[[torch.nn.Module], object] | None = None
-                      ) -> OptimizerFactory:
+def optimizer_factory(config: OptimConfig, configure: Callable[[torch.nn.Module], object] | None = None, *,
+                      skips_on_device: bool = False) -> OptimizerFactory:
     """Builds the optimizer for a model: the workload's ``configure_optimizer`` when it has one, else
-    ``config.name`` over every parameter. Every param group gets ``lr_scale`` (default 1)."""
+    ``config.name`` over every parameter. Every param group gets ``lr_scale`` (default 1).
+
+    ``skips_on_device`` (training.on_nonfinite=skip, fp16): adamw is torch's fused AdamW, which takes a found-inf
+    flag on the device and skips its update there (``supports_device_skip``), so the step need not read the
+    gradient norm on the host to decide. sgd stays unfused: fused SGD, skipping its first step, leaves its
+    momentum buffers uninitialised (torch 2.13 ``_fused_sgd``), so an sgd step reads the flag on the host."""
 
     def build(model: torch.nn.Module) -> torch.optim.Optimizer:
         if configure is None:
             parameters = list(model.parameters())
             if config.name == "adamw":
-                optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+                optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay,
+                                              fused=skips_on_device or None)
             else:
                 optimizer = torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum,
                                             weight_decay=config.weight_decay)
@@ -48,6 +54,23 @@ def optimizer_factory(config: OptimConfig, configure: Callable[[torch.nn.Module]
         return optimizer
 
     return build
+
+
+def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes ``found_inf``/``grad_scale`` tensors and skips its update on the device when
+    found_inf is 1 (and leaves its step count as it was): torch's fused optimizers, as GradScaler feeds them
+    (torch/amp/grad_scaler.py ``step``, torch/optim/adam.py ``_fused_adam``)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Step ``optimizer`` (``supports_device_skip``), which leaves the parameters and its state as they were where
+    ``found_inf`` (a float32 scalar on the device) is 1; nothing is read on the host."""
+    optimizer.grad_scale, optimizer.found_inf = None, found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
 
 
 def learning_rate(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -69,13 +92,14 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float,
-                   across: dist.ProcessGroup | None = None) -> float:
+                   across: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The global L2 norm of the gradients (over every rank's shards under ZeRO-2/3 and tensor parallelism, and
     over the ranks of ``across``, which hold other parameters: a pipeline's stages), clipped to ``max_norm`` when
-    it is positive. Call after the gradients are reduced, before the optimizer steps."""
+    it is positive. Call after the gradients are reduced, before the optimizer steps. The norm stays on the device, a
+    scalar tensor: nothing here waits for the device (the clip coefficient is computed there too)."""
     with_grad = [p for p in parameters if p.grad is not None]
     if not with_grad and across is None:
-        return 0.0
+        return torch.zeros(())
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for parameter in with_grad:  # a DTensor norm reduces over its own mesh: one group per mesh, plain ones apart
         mesh = parameter.grad.device_mesh if isinstance(parameter.grad, DTensor) else None
@@ -90,7 +114,7 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float,
         norm = squared.sqrt()
     if max_norm > 0:
         _scale_in_place([p.grad for p in with_grad], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm.item()
+    return norm
 
 
 @torch.no_grad()

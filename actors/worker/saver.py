@@ -66,6 +66,10 @@ class AsyncSaver:
         self._last, self._asked = None, False
         self._state, self._group, self._layout = None, None, None
 
+    def saves_after(self, step: int, *, asked: bool = False) -> bool:
+        """Whether ``after_step(step, asked=asked)`` starts a save (the training loop reads its steps first)."""
+        return ((self._asked or asked) and self.checkpointer.may_save_at(step)) or self.checkpointer.due(step)
+
     def after_step(self, step: int, *, asked: bool = False) -> None:
         """Start the periodic save of ``step`` if one is due, once the previous one has ended. ``asked``: the
         ranks voted for a time-based save after this step (the same on every rank); it is taken at the first step

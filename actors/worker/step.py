@@ -14,11 +14,22 @@ the step, which is then discarded. A step makes no collective of its own besides
 under FSDP, the norm's): it reports this rank's summed loss and sample count, and the Controller sums
 them over the ranks; stopping at a common step boundary is actors/worker/stop_vote.py's job.
 
-A step whose gradient norm is inf/NaN (training.on_nonfinite) is skipped, or fails the run, on every
-rank alike without a collective of its own: after the gradient reduction every strategy holds the same
-gradients on every rank, so the norm is the same everywhere, and a NaN loss on one rank makes it NaN.
-Under fp16 an inf/NaN gradient is the loss scaler's overflow signal instead: it skips the step and
-lowers the scale; only a non-finite loss then counts.
+A step reads nothing from the device (no ``.item()``, no synchronisation): ``train`` leaves its loss sum,
+gradient norm and skip flag there, in one small tensor (``UnreadStep``), and the host runs on to queue the next
+step. ``read`` takes the steps since the last read in one transfer; the training loop reads at its log interval
+(training.log_every_steps), at every stop vote, save and evaluation, at the last step, and every step when the
+user asks for the samples (training.record_samples); ``run`` trains and reads at once (tests, benchmarks).
+Clipping computes the norm and the clip coefficient on the device.
+
+A step whose gradient norm is inf/NaN (training.on_nonfinite) is skipped, or fails the run, on every rank
+alike without a collective of its own: after the gradient reduction every strategy holds the same gradients on
+every rank, so the norm is the same everywhere, and a NaN loss on one rank makes it NaN. "skip" decides on the
+device where the optimizer takes a found-inf flag (torch's fused AdamW, as GradScaler feeds it: the update and
+the step count are left as they were); any other optimizer (sgd, a workload's own, ZeRO-1's) reads the norm on
+the host in that step. "fail" steps whatever the norm and the read finds the step: the run fails there, naming
+the first non-finite step, before a save can keep its state. Under fp16 an inf/NaN gradient is the loss
+scaler's overflow signal instead: it skips the step and lowers the scale (on the device with fused AdamW;
+GradScaler reads its found-inf flag on the host for other optimizers); only a non-finite loss then counts.
 
 Test and demo machinery (injected faults, a throttled rank, an emulated slow link) acts through the step
 hooks it is given (actors/faults/step_hooks.py), only when the job configures it.
@@ -27,6 +38,7 @@ hooks it is given (actors/faults/step_hooks.py), only when the job configures it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,12 +52,18 @@ from torch.utils.data import Dataset
 
 from raylastic.actors.data.batch_split import BatchSplit
 from raylastic.actors.data.batches import planned_batches, to_device
-from raylastic.actors.data.compute_clock import ComputeClock
+from raylastic.actors.data.compute_clock import ComputeClock, ComputeTime
 from raylastic.actors.data.order import GlobalSampleOrder, micro_batch_count, micro_batches
 from raylastic.actors.faults.step_hooks import StepHook
 from raylastic.actors.status.worker import StepResult
 from raylastic.actors.worker.data_place import DataPlace
-from raylastic.actors.worker.optimizer_recipe import clip_gradients, learning_rate, set_learning_rate
+from raylastic.actors.worker.optimizer_recipe import (
+    clip_gradients,
+    learning_rate,
+    set_learning_rate,
+    step_unless_found_inf,
+    supports_device_skip,
+)
 from raylastic.jobconfig import DataConfig, OptimConfig
 from raylastic.strategies.base import Strategy, TrainState
 from raylastic.strategies.parallel_layout import ParallelLayout
@@ -58,6 +76,30 @@ if TYPE_CHECKING:
 
 class NonFiniteStep(RuntimeError):
     """A step's loss or gradient norm is inf/NaN and training.on_nonfinite is "fail" (an error of the job)."""
+
+
+@dataclass(frozen=True)
+class UnreadStep:
+    """A trained, committed step whose loss, gradient norm and skip flag are still on the device."""
+
+    result: StepResult
+    """Everything known on the host; ``loss_sum``, ``grad_norm`` and ``skipped`` are filled in by ``read``."""
+    readings: torch.Tensor
+    """[this rank's loss sum, the gradient norm, 1.0 if the update was skipped], float32 on the device."""
+    rank: int
+    reports: bool
+    """This rank reports the step's loss (``DataPlace.reports``)."""
+    device_timing: ComputeTime | None = None
+    """On a GPU: the step's compute time, read with the rest (``result.compute_s`` holds the host's until then)."""
+
+
+@dataclass(frozen=True)
+class ReadSteps:
+    """What ``StepRunner.read`` found."""
+
+    results: list[StepResult]
+    nonfinite: NonFiniteStep | None
+    """training.on_nonfinite=fail: the first non-finite step's error (``results`` end before that step)."""
 
 
 @dataclass
@@ -112,11 +154,21 @@ class StepRunner:
 
     def run(self, state: TrainState, step_index: int, batches: Iterator[Any] | None = None,
             hooks: Sequence[StepHook] = (), before_reduction: Callable[[], None] | None = None) -> StepResult:
+        """``train`` the step and ``read`` it at once (a host read every step: tests, benchmarks); raises
+        NonFiniteStep as ``read`` does."""
+        read = self.read([self.train(state, step_index, batches, hooks, before_reduction)])
+        if read.nonfinite is not None:
+            raise read.nonfinite
+        return read.results[0]
+
+    def train(self, state: TrainState, step_index: int, batches: Iterator[Any] | None = None,
+              hooks: Sequence[StepHook] = (), before_reduction: Callable[[], None] | None = None) -> UnreadStep:
         """Train on step ``step_index`` (0-based), its micro-batches taken from ``batches`` (this rank's,
         in order: ``self.batches``; None: fetched from ``self.dataset`` now), and commit it; collectives fail
         if a peer is lost. ``hooks``: the step hooks the job configures (none by default). ``before_reduction``
         is called before the backward that reduces the gradients: what every rank must have done before any
-        rank can commit this step."""
+        rank can commit this step. Nothing is read from the device: the loss, gradient norm and skip flag stay
+        there until ``read``."""
         started = time.perf_counter()
         if self.clock is not None:
             self.clock.start()
@@ -133,49 +185,65 @@ class StepRunner:
         lr = learning_rate(step_index, self.optim, self.total_steps)
         set_learning_rate(state.optimizer, lr)
         state.optimizer.zero_grad(set_to_none=True)
+        scaler = self._scaler()
         with place.loss_context():
             if self.pipeline is None:
                 loss_sum = backward_over_micro_batches(
                     self.workload, state.wrapped, batches, indices, micro_batch_count(split, self.micro_batch_size),
                     device=self.device, seed=self.seed, step_index=step_index, position=split.bounds(place.rank)[0],
                     weight=weight, autocast=self.autocast, no_sync=lambda: self.strategy.no_sync(state),
-                    scale=self.scaler.scale if self.scaler else None, before_last=before_reduction,
+                    scale=scaler.scale if scaler else None, before_last=before_reduction,
                     stream=place.stream)
             else:
                 loss_sum = self._pipelined(step_index, batches, split.bounds(place.rank)[0], before_reduction,
                                            hooks)
         backward_returned = time.perf_counter()
-        compute_s = self.clock.compute_s(backward_returned - started) if self.clock else backward_returned - started
+        step_s = backward_returned - started
+        compute_time = self.clock.measure(step_s) if self.clock else ComputeTime(step_s)
         consumed = self._gather_sample_ids(indices, split, place) if self.record_samples else None
-        if self.scaler is not None:
-            self.scaler.unscale_(state.optimizer)  # the norm and the clipping see the true gradients
+        if scaler is not None:
+            scaler.unscale_(state.optimizer)  # the norm and the clipping see the true gradients
         grad_norm = clip_gradients(state.model.parameters(), self.optim.clip_grad_norm,
                                    across=self.pipeline.group if self.pipeline is not None else None)
-        loss_value = loss_sum.item()
         raise_if_aborted()  # NCCL: a reduction our abort ended may have returned as if complete
-        self._check_finite(step_index + 1, loss_value, grad_norm, rank)
-        if math.isfinite(grad_norm) or self.scaler is not None:
-            skipped = self._optimizer_step(state.optimizer)
-        else:  # on_nonfinite=skip: no rank steps (all see this norm); the step still counts
-            state.optimizer.zero_grad(set_to_none=True)
-            skipped = True
+        skipped = self._optimizer_step(state.optimizer, grad_norm.to(self.device, torch.float32), scaler)
         between_steps = self.strategy.after_step(state, step_index + 1, len(indices),
                                                  last=step_index + 1 == self.total_steps)
         traffic = state.comm.state.take_traffic() if state.comm else None
         timing = state.comm.timer.take(backward_returned) if state.comm and state.comm.timer else None
         bytes_sent = (traffic.bytes_sent if traffic else 0) + between_steps.bytes_sent
-        result = StepResult(step=step_index + 1, loss_sum=loss_value if place.reports else 0.0,
-                            samples=len(indices) if place.reports else 0,
+        result = StepResult(step=step_index + 1, loss_sum=0.0, samples=len(indices) if place.reports else 0,
                             duration_s=time.perf_counter() - started, finished_at=time.time(),
-                            sample_ids=consumed, skipped=skipped, lr=lr, grad_norm=grad_norm, compute_s=compute_s,
-                            bytes_sent=bytes_sent,
+                            sample_ids=consumed, lr=lr, compute_s=compute_time.host_s, bytes_sent=bytes_sent,
                             uncompressed_bytes=(traffic.uncompressed_bytes if traffic else 0)
                             + between_steps.uncompressed_bytes,
                             comm_s=timing.comm_s if timing else None,
                             exposed_comm_s=timing.exposed_comm_s if timing else None)
         for hook in hooks:
             result = hook.after_step(result)
-        return result
+        loss_sum = loss_sum.float()
+        readings = torch.stack([loss_sum, grad_norm.to(loss_sum.device, torch.float32),
+                                skipped.to(loss_sum.device, torch.float32)])
+        return UnreadStep(result, readings, rank=rank, reports=place.reports,
+                          device_timing=compute_time if compute_time.events is not None else None)
+
+    def read(self, steps: Sequence[UnreadStep]) -> ReadSteps:
+        """``steps``' results, their loss, gradient norm and skip flag read from the device in one transfer (the
+        host waits for the device here, and only here). ``nonfinite``: the NonFiniteStep of the first step whose
+        loss or gradient norm is inf/NaN where training.on_nonfinite=fail; ``results`` then end before it."""
+        if not steps:
+            return ReadSteps([], None)
+        values = torch.stack([step.readings for step in steps]).tolist()  # a CPU-GPU sync point
+        results = []
+        for step, (loss, grad_norm, skipped) in zip(steps, values, strict=True):
+            error = self._nonfinite(step.result.step, loss, grad_norm, step.rank)
+            if error is not None:
+                return ReadSteps(results, error)
+            timing = step.device_timing
+            results.append(dataclasses.replace(step.result, loss_sum=loss if step.reports else 0.0,
+                                               grad_norm=grad_norm, skipped=skipped > 0,
+                                               compute_s=timing.seconds() if timing else step.result.compute_s))
+        return ReadSteps(results, None)
 
     def _pipelined(self, step_index: int, batches: Iterator[Any], position: int,
                    before_reduction: Callable[[], None] | None, hooks: Sequence[StepHook]) -> torch.Tensor:
@@ -198,24 +266,44 @@ class StepRunner:
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast_for(self.precision, self.device)
 
-    def _check_finite(self, step: int, loss: float, grad_norm: float, rank: int) -> None:
-        """Raise NonFiniteStep (training.on_nonfinite=fail) for an inf/NaN loss on this rank, or an inf/NaN
-        gradient norm - unless fp16's scaler is there to skip that step as an overflow."""
-        overflow_is_handled = self.scaler is not None
-        if self.on_nonfinite == "skip" or (math.isfinite(loss) and (math.isfinite(grad_norm) or overflow_is_handled)):
-            return
-        raise NonFiniteStep(f"step {step}: the loss on rank {rank} is {loss} and the gradient norm is {grad_norm}; "
-                            "training.on_nonfinite=skip discards such steps instead of failing the run")
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        """fp16's loss scaler, when it scales (a GradScaler made for a device type absent here disables itself)."""
+        return self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
 
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step (through the loss scaler for fp16); True if the scaler skipped the step."""
-        if self.scaler is None:
+    def _nonfinite(self, step: int, loss: float, grad_norm: float, rank: int) -> NonFiniteStep | None:
+        """The NonFiniteStep (training.on_nonfinite=fail) for an inf/NaN loss on this rank, or an inf/NaN gradient
+        norm - unless fp16's scaler is there to skip that step as an overflow."""
+        overflow_is_handled = self._scaler() is not None
+        if self.on_nonfinite == "skip" or (math.isfinite(loss) and (math.isfinite(grad_norm) or overflow_is_handled)):
+            return None
+        return NonFiniteStep(f"step {step}: the loss on rank {rank} is {loss} and the gradient norm is {grad_norm}; "
+                             "training.on_nonfinite=skip discards such steps instead of failing the run")
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
+                        scaler: torch.amp.GradScaler | None) -> torch.Tensor:
+        """Step the optimizer, or skip its update; whether it skipped, as a tensor on the device.
+
+        fp16: the loss scaler skips an overflowing step and lowers its scale. on_nonfinite=skip: a step whose
+        gradient norm is inf/NaN is skipped on every rank (each holds the same norm). Both decide on the device
+        when the optimizer takes a found-inf flag (``supports_device_skip``: fused adamw); otherwise the flag is
+        read on the host here (GradScaler's own ``.item()`` for fp16). on_nonfinite=fail steps whatever the norm:
+        ``read`` finds a non-finite step, and the run fails there, before a save can keep it."""
+        if scaler is not None:
+            scaler.step(optimizer)
+            found = [t.to(grad_norm.device) for t in scaler._found_inf_per_device(optimizer).values()]
+            scaler.update()
+            return torch.stack(found).sum() if found else torch.zeros((), device=grad_norm.device)
+        if self.on_nonfinite == "fail":
             optimizer.step()
-            return False
-        scale_before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        return self.scaler.get_scale() < scale_before
+            return torch.zeros((), device=grad_norm.device)
+        found_inf = (~torch.isfinite(grad_norm)).float()
+        if supports_device_skip(optimizer):
+            step_unless_found_inf(optimizer, found_inf)
+        elif found_inf.item():  # a host read: this optimizer cannot skip on the device
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            optimizer.step()
+        return found_inf
 
     def _gather_sample_ids(self, indices: torch.Tensor, split: BatchSplit, place: DataPlace) -> tuple[int, ...]:
         """Every data-parallel rank's sample ids of this step, in their order, as each rank reports them (the

@@ -104,9 +104,11 @@ class TrainWorker:
         replans = spec.parallel.model_parallel > 1 and spec.parallel.degrees == "preferred"
         self.model_limits = model_limits(self.workload, spec.workload) if replans else None
         """How far the model splits, for the Controller's re-plans (its JoinReports carry it)."""
-        self.build_optimizer = optimizer_factory(spec.optim, getattr(self.workload, "configure_optimizer", None))
-        dataset = self.workload.train_dataset()
         training = spec.training
+        self.build_optimizer = optimizer_factory(
+            spec.optim, getattr(self.workload, "configure_optimizer", None),
+            skips_on_device=training.on_nonfinite == "skip" or training.precision == "fp16")
+        dataset = self.workload.train_dataset()
         self.runner = StepRunner(
             workload=self.workload, strategy=self.strategy,
             order=GlobalSampleOrder(len(dataset), training.global_batch_size, training.seed),

@@ -36,17 +36,18 @@ from raylastic.actors.data.balance import Balancer
 from raylastic.actors.faults.step_hooks import StepHook
 from raylastic.actors.status.peer_loss import is_peer_loss
 from raylastic.actors.status.run import Event
+from raylastic.actors.status.worker import StepResult
 from raylastic.actors.worker.actor import TrainingThreadHung
 from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.mailbox import StatusMailbox
 from raylastic.actors.worker.saver import AsyncSaver
-from raylastic.actors.worker.step import StepRunner
+from raylastic.actors.worker.step import StepRunner, UnreadStep
 from raylastic.actors.worker.stop_vote import CheckpointAsks, StopVote, stops_early
 from raylastic.jobconfig import DataConfig, EvalConfig, TrainingConfig
 from raylastic.strategies.base import TrainState
 from raylastic.strategies.buddy_copy import BuddyCopies
 from raylastic.strategies.group_connections import GroupConnections
-from raylastic.strategies.process_group import abort_group
+from raylastic.strategies.process_group import abort_group, raise_if_aborted
 
 LOOP_EXIT_GRACE_S = 5.0
 """Beyond the collective timeout: how long a leaving loop thread may take to give up on its peers."""
@@ -102,6 +103,8 @@ class TrainingLoop:
         """The time-based checkpoints the Controller asked for, voted on with the stop."""
         self._thread: threading.Thread | None = None
         self._profiled = False
+        self._unread: list[UnreadStep] = []
+        """Steps trained (their optimizer stepped) whose results are not read from the device yet."""
 
     def start(self, state: TrainState, until_step: int, hooks: Sequence[StepHook] = (),
               copies: BuddyCopies | None = None) -> None:
@@ -153,6 +156,8 @@ class TrainingLoop:
             with self._profiler() as profiler:
                 self._steps(state, until_step, hooks, profiler, copies)
         except BaseException as error:  # noqa: BLE001 - any failure is reported (DCP's errors are BaseExceptions)
+            with contextlib.suppress(BaseException):  # the steps committed before it count (unless aborted)
+                self._report_unread()
             cause = "peer_lost" if is_peer_loss(error) else "job"
             self.status.set_phase("failed", f"{type(error).__name__}: {error}\n{traceback.format_exc()}", cause)
 
@@ -165,40 +170,62 @@ class TrainingLoop:
         vote = StopVote(first_step=status.step, device=self.device, share_rates=balancer is not None)
         meter = RateMeter()
         batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
+        step = status.step
+        self._unread = []
         if copies is not None:
-            copies.start(strategy, state, scaler, status.step)  # the state this generation starts from
-        while status.step < until_step:
+            copies.start(strategy, state, scaler, step)  # the state this generation starts from
+        while step < until_step:
             for hook in hooks:
-                hook.before_step(status.step + 1)
-            step_index = status.step
+                hook.before_step(step + 1)
+            step_index = step
             voting = vote.due(step_index)
             if voting:
                 vote.open(step_index, stop=self._stop_requested.is_set(), rate=meter.take(), asks=self.checkpoint_asks)
             with status.step_in_flight():
-                result = self.runner.run(state, step_index, batches, hooks,
-                                         before_reduction=copies.finish if copies is not None else None)
-            meter.add(result.samples, result.compute_s)
-            # torch.compile compiles lazily, in the generation's first step
-            status.commit(result, Event("compiled", result.step, details={"first_step_s": round(result.duration_s, 3)})
-                          if compiling else None)
-            compiling = False
+                unread = self.runner.train(state, step_index, batches, hooks,
+                                           before_reduction=copies.finish if copies is not None else None)
+            step = unread.result.step
+            self._unread.append(unread)  # a failure from here on still reports it (_run)
+            if compiling:  # torch.compile compiles lazily, in the generation's first step
+                status.post_event(Event("compiled", step, details={"first_step_s": round(unread.result.duration_s, 3)}))
+                compiling = False
             with status.step_in_flight():  # the hang watchdog sees the boundary's work too (a save on a dead mount)
                 if copies is not None:
-                    copies.start(strategy, state, scaler, status.step)
-                # Only now: the optimizer has stepped, so a vote that fails (a peer lost since its gradients
-                # arrived) must find the step counted, or the next generation would train this step again.
+                    copies.start(strategy, state, scaler, step)
                 stop = vote.close(step_index) if voting else False
+                asked = voting and vote.checkpoint_due
+                evaluating = self._evaluates_after(step)
+                if (voting or evaluating or step == until_step or step % self.training.log_every_steps == 0
+                        or self.runner.record_samples or self.saver.saves_after(step, asked=asked)):
+                    for result in self._report_unread():  # before a save: a non-finite step fails the run
+                        meter.add(result.samples, result.compute_s)
                 if voting and balancer is not None and self._rebalance(balancer, vote.rates):
-                    batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
+                    batches = self.runner.batches(self.dataset, step, until_step, self.data)
                 if profiler is not None:
                     profiler.step()
-                self.saver.after_step(status.step, asked=voting and vote.checkpoint_due)
-            if self.eval.every_steps and status.step % self.eval.every_steps == 0 and status.step < self.training.steps:
-                self._evaluate_periodically(state)  # every rank reaches this step: the last one is _finish's
-            if stops_early(stop, status.step, until_step):
+                self.saver.after_step(step, asked=asked)
+            if evaluating:
+                self._evaluate_periodically(state)
+            if stops_early(stop, step, until_step):
                 status.set_phase("stopped")
                 return
         status.set_phase("finished")
+
+    def _evaluates_after(self, step: int) -> bool:
+        """A periodic evaluation follows ``step`` (every rank reaches it; the last step's is _finish's)."""
+        return bool(self.eval.every_steps) and step % self.eval.every_steps == 0 and step < self.training.steps
+
+    def _report_unread(self) -> list[StepResult]:
+        """Read the steps trained since the last read (one host read) and commit their results to the mailbox;
+        raise NonFiniteStep for a non-finite one (training.on_nonfinite=fail), after committing those before it."""
+        unread, self._unread = self._unread, []
+        read = self.runner.read(unread)
+        raise_if_aborted()  # NCCL: a reduction of these steps our abort ended may have returned as if complete
+        for result in read.results:
+            self.status.commit(result)
+        if read.nonfinite is not None:
+            raise read.nonfinite
+        return read.results
 
     def _rebalance(self, balancer: Balancer, rates: tuple[float, ...]) -> bool:
         """Take a vote's rates; True when the split changes from the next step on (the same on every rank)."""
