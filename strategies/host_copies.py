@@ -136,12 +136,12 @@ class HostCopier:
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)  # the sources hold what the kernels queued so far wrote
         with torch.cuda.stream(self._stream):
-            if ordered:
-                torch._foreach_copy_(targets[:len(ordered)], sources[:len(ordered)], non_blocking=True)
-                first = torch.cuda.Event()
-                first.record(self._stream)
-                current.wait_event(first)  # on the device: the next step's forward changes these in place
-            torch._foreach_copy_(targets[len(ordered):], sources[len(ordered):], non_blocking=True)
+            for index, (target, source) in enumerate(pairs):
+                target.copy_(source, non_blocking=True)
+                if index == len(ordered) - 1:
+                    first = torch.cuda.Event()
+                    first.record(self._stream)
+                    current.wait_event(first)  # on the device: the next step's forward changes these in place
         for source in sources:
             if source.is_cuda:
                 source.record_stream(self._stream)
