@@ -88,13 +88,14 @@ def _save(root: str, with_scaler: bool) -> str:
 
 
 def _restore(directory: str, strategy_name: str, with_scaler: bool) -> dict:
-    """Load ``directory`` as TrainWorker.restore does; the scaler's state (if any) and the model's weight."""
+    """Load ``directory`` as TrainWorker.restore does, into the scaler TrainWorker makes for ``strategy_name`` (none
+    without ``with_scaler``), before its first step; the scaler's state and the model's weight."""
     strategy, state = _linear_state(strategy_name, seed=100)
     init_optimizer_state(state.optimizer)
     flat = strategy.state_dict(state)
     load_into(flat, directory)
     strategy.load_state_dict(state, flat)
-    scaler = _scaler() if with_scaler else None
+    scaler = loss_scaler_for(strategy_name, model_parallel=1, device_type="cpu") if with_scaler else None
     load_scaler(scaler, directory)
     weight = state.model.weight
     weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
@@ -106,11 +107,12 @@ def _saved_weight() -> torch.Tensor:
     return torch.nn.Linear(4, 3).weight.detach()
 
 
-def test_a_checkpoint_keeps_the_loss_scale_across_world_sizes(tmp_path):
+def test_a_checkpoint_keeps_the_loss_scale_across_world_sizes_and_strategies(tmp_path):
     directory = run_distributed(_save, 2, str(tmp_path), True)[0]
-    restored = run_distributed(_restore, 1, directory, "ddp", True)[0]
-    assert restored["scaler"]["scale"] == 256.0 and restored["scaler"]["_growth_tracker"] == 5
-    torch.testing.assert_close(restored["weight"], _saved_weight())
+    for strategy_name, world_size in (("ddp", 1), ("zero3", 2)):  # a GradScaler, a GroupGradScaler on each rank
+        for restored in run_distributed(_restore, world_size, directory, strategy_name, True):
+            assert restored["scaler"]["scale"] == 256.0 and restored["scaler"]["_growth_tracker"] == 5
+            torch.testing.assert_close(restored["weight"], _saved_weight())
 
 
 def test_a_checkpoint_with_scaler_state_loads_into_a_run_without_a_scaler(tmp_path):
@@ -217,8 +219,8 @@ def _fp16_and_fp32(run: Callable[..., dict], *args: Any, nccl_store: str | None 
 
 def _assert_every_rank_skipped_the_overflow(ranks: list[list[dict]]) -> None:
     fp16, fp32 = ([rank[i] for rank in ranks] for i in range(2))
-    assert [rank["skipped"] for rank in fp16] == [[OVERFLOW_STEP]] * 2
-    assert [rank["scale"] for rank in fp16] == [2.0**15] * 2  # torch's initial 2**16, halved once on every rank
+    assert [rank["skipped"] for rank in fp16] == [[OVERFLOW_STEP]] * len(ranks)
+    assert [rank["scale"] for rank in fp16] == [2.0**15] * len(ranks)  # torch's initial 2**16, halved once
     for key, value in fp32[0]["model"].items():  # the other steps as fp32 trains them
         torch.testing.assert_close(fp16[0]["model"][key], value, rtol=1e-3, atol=1e-3)
 
@@ -229,12 +231,15 @@ def test_fp16_an_overflow_on_one_rank_skips_the_step_on_every_rank(strategy_name
                                                             strategy_name))
 
 
+GPU_RANKS = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.skipif(GPU_RANKS == 0, reason="needs a CUDA device")
 @pytest.mark.parametrize("strategy_name", ["ddp", "zero1", "zero2", "zero3"])
-def test_fp16_on_two_gpus_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, strategy_name):
-    """As on CPU, over NCCL: the found-inf flag is reduced on the GPUs."""
-    _assert_every_rank_skipped_the_overflow(run_distributed(_fp16_and_fp32, 2, _fp16_with_one_rank_overflowing,
+def test_fp16_on_gpus_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, strategy_name):
+    """As on CPU, over NCCL on up to 2 GPUs (the found-inf flag reduced on the GPUs; with one GPU, rank 0 alone)."""
+    _assert_every_rank_skipped_the_overflow(run_distributed(_fp16_and_fp32, GPU_RANKS, _fp16_with_one_rank_overflowing,
                                                             strategy_name, nccl_store=str(tmp_path / "store"),
                                                             timeout_s=240))
 
