@@ -45,7 +45,8 @@ class TrainingConfig:
     """Record which samples every step consumed, each time a generation committed it: result.json's "ledger",
     ``{step: [{"generation", "samples", "kept"}, ...]}`` (kept: part of the final state; see RunLog.ledger)."""
     precision: Precision = "fp32"
-    """bf16: autocast on CPU and GPU; fp16: autocast with dynamic loss scaling, GPU only."""
+    """bf16: autocast on CPU and GPU; fp16: autocast with dynamic loss scaling (strategies/loss_scaling.py), CPU and
+    GPU, every strategy but async_ps."""
     compile: bool = False
     """torch.compile the model (kernel fusion); the first step then includes the compile time."""
     activation_checkpointing: ActivationCheckpointing = "none"
