@@ -35,9 +35,10 @@ Per side and round:
 
 Goals: r2 (issue 18): steps_redone <= 1 in every round, median time_lost_s < 2 s; buddy (issue 29):
 steps_lost_event <= 1 in every round, median time_lost_s < 2 s; GPT: median per-round samples/s buddy / none
->= 0.95; timed (issue 52): the default period's cost below 1% of a run's time, and below a second copy's. One
-local Ray instance (2 CPUs) per round; the side that goes first alternates; medians over rounds. Run from the
-repository root (~10 minutes a round on 2 cores, 6 of them the GPT pair)::
+>= 0.98 (issue 53; issue 29 asked 0.95; benchmarks/copy_cost.py measures it in the same processes, which a
+loaded machine allows better); timed (issue 52): the default period's cost below 1% of a run's time, and below
+a second copy's. One local Ray instance (2 CPUs) per round; the side that goes first alternates; medians over
+rounds. Run from the repository root (~10 minutes a round on 2 cores, 6 of them the GPT pair)::
 
     .venv/bin/python -m benchmarks.redundancy --rounds 3
     .venv/bin/python -m benchmarks.redundancy --rounds 5 --kill-step 80 --gpt-steps 400

@@ -35,6 +35,7 @@ TITLES = {  # page order; a result file not named here gets a generic section af
     "step_costs_ray": "Step costs in Ray actors",
     "recovery": "Recovery and scale-up",
     "redundancy": "In-memory redundancy (HSDP)",
+    "copy_cost": "The buddy copy's cost, same processes",
     "balance": "Uneven workers: batch shares by speed",
     "memory": "Memory",
     "checkpoint": "Checkpoints",

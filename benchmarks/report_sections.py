@@ -190,6 +190,21 @@ def buddy_cost(cost: dict) -> list[str]:
             "parameters and optimizer state).", ""]
 
 
+def copy_cost(result: dict) -> list[str]:
+    """The buddy copy on against off in the same 4 processes, alternating blocks of steps."""
+    job, cpu, spread = result["job"], result["rank_cpu_ms_per_step"], result["paired_ratio_spread"]
+    quartiles, host = result["paired_ratio_quartiles"], result["host_bytes_rank0"]
+    return [f"The buddy copy's cost on the GPT recipe ({job['gpt']}; {job['ranks']} gloo ranks, blocks of "
+            f"{job['steps_per_block']} steps alternating over {job['rounds']} rounds): "
+            f"**{result['paired_ratio_median']}x** samples/s with the copy against without (median of the rounds' "
+            f"pairs; spread {spread[0]}-{spread[1]}, quartiles {quartiles[0]}-{quartiles[1]}; goal at least "
+            f"{result['goals']['copy_over_none_samples_per_s_at_least']}: "
+            f"{'met' if result['goal_met'] else 'not met'}). The rank processes' CPU {cpu['copy']:,.0f} against "
+            f"{cpu['none']:,.0f} ms per step (median per-round ratio {result['cpu_ratio_median']}); host bytes of "
+            f"the copies on rank 0: {host:,}, {host / result['shard_bytes_rank0']:.1f}x its packed shard.",
+            ""] + [f"- {k}: {v}" for k, v in result.get("definitions", {}).items()]
+
+
 def timed_checkpoint(timed: dict | None) -> list[str]:
     """The redundancy benchmark's timed side: what the default time-based checkpoint costs a run."""
     if not timed or timed.get("excess_s_per_save") is None:
@@ -399,7 +414,7 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "throughput": throughput, "throughput_same_allocator": throughput,
     "throughput_same_allocator_1_worker": throughput, "step_costs": step_costs,
     "step_costs_ray": step_costs, "recovery": recovery,
-    "redundancy": redundancy, "balance": balance,
+    "redundancy": redundancy, "copy_cost": copy_cost, "balance": balance,
     "memory": memory, "checkpoint": checkpoint, "communication": communication, "slow_links": slow_links,
     "model_parallel": model_parallel, "model_parallel_recovery": model_parallel_recovery,
     "control_plane": control_plane, "control_plane_real": control_plane_real}
