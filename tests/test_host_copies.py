@@ -98,7 +98,17 @@ def test_the_entries_a_forward_changes_in_place_are_its_buffers():
                                                "model.1.num_batches_tracked"}
 
 
-def test_the_scalers_entries_are_made_without_reading_them_back():
+def test_the_scalers_entries_are_made_without_reading_them_back(monkeypatch):
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(self) or item(self))
+    scaler_sources(scaler)  # every step's copy: a read would wait for the device to finish the step's kernels
+    assert reads == []
+    scaler_entries(scaler)  # a checkpoint's: reads them
+    assert reads
+    monkeypatch.undo()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     for scaled in (False, True):  # the scale tensor exists from the first scaled loss on
         if scaled:
