@@ -32,6 +32,7 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
     if report.failed:
         crash = getattr(report.longrepr, "reprcrash", None)
         detail = crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1]
+        detail = detail.removeprefix("E").strip()  # pytest's mark of an error line
         _write({"event": "not collected", "test": report.nodeid, "detail": detail[:DETAIL_CHARS]})
 
 

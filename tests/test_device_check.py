@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from benchmarks._device_check_report import (
     phase_outcome,
     rows_of,
 )
+from benchmarks.device_check import Group, read_events, run_group
 from tests.conftest import REPO_ROOT
 
 A, B, C = "tests/test_gpu.py::test_a", "tests/test_gpu.py::test_b", "tests/test_gpu.py::test_c"
@@ -89,3 +91,16 @@ def test_the_check_runs_without_cuda_and_exits_0_with_every_test_skipped(tmp_pat
     assert {(row["outcome"], row["detail"]) for row in record["tests"]} == {("skipped", "needs a CUDA device")}
     assert "test_gpu.py::test_nccl_survivor_carries_on_when_its_peer_is_killed" in done.stdout
     assert "skipped: needs a CUDA device" in done.stdout
+
+
+@pytest.mark.processes
+def test_a_group_hides_ray_from_its_tests_and_skips_those_that_would_start_past_its_deadline(tmp_path):
+    """A module that imports Ray is not collected in a group that hides it; a collected test whose group's deadline
+    has passed is not run, for want of time."""
+    table_test = "tests/test_device_check.py::test_a_tests_outcome_comes_from_its_phases[phases0-passed]"
+    group = Group("torch", ("--continue-on-collection-errors", table_test, "tests/test_gpu_path.py"), hide_ray=True)
+    run = run_group(group, time.time() - 1, tmp_path / "group.log", tmp_path / "events")
+    rows = rows_of("torch", read_events(tmp_path / "events"), ended_early=run.returncode is None)
+    assert [(row.test, row.outcome) for row in rows] == [("tests/test_gpu_path.py", "not collected"),
+                                                         (table_test, "not run")], rows
+    assert rows[0].detail.startswith("ImportError: Ray is hidden by the device check") and rows[1].detail == OUT_OF_TIME
