@@ -20,6 +20,8 @@ Outcome = Literal["passed", "failed", "error", "skipped", "not run", "not collec
 FAILING: frozenset[str] = frozenset({"failed", "error", "not collected"})
 OUT_OF_TIME = "the check's time budget ran out"
 RAY_MISSING = "Ray is not importable here"
+DETAIL_CHARS = 120
+"""The table's cut of a row's detail (the JSON keeps it whole, the group's pytest log has the traceback)."""
 
 
 @dataclass(frozen=True)
@@ -86,22 +88,19 @@ def exit_code(rows: Sequence[Row]) -> int:
 
 
 def _cell(row: Row) -> str:
-    return row.outcome + (f": {row.detail}" if row.detail else "")
+    detail = row.detail if len(row.detail) <= DETAIL_CHARS else row.detail[:DETAIL_CHARS - 3] + "..."
+    return row.outcome + (f": {detail}" if detail else "")
 
 
-def format_table(rows: Sequence[Row], width: int = 150) -> str:
-    """A fixed-width table: group, test, ranks, seconds, outcome (and why), one row a test."""
+def format_table(rows: Sequence[Row]) -> str:
+    """A fixed-width table: group, test, ranks, seconds, outcome (and why, cut at DETAIL_CHARS), one row a test."""
     header = ("group", "test", "ranks", "seconds", "outcome")
     cells = [(row.group, row.test.removeprefix("tests/"), "-" if row.ranks is None else str(row.ranks),
               "-" if row.seconds is None else f"{row.seconds:.1f}", _cell(row)) for row in rows]
     widths = [max(len(header[i]), *(len(cell[i]) for cell in cells)) if cells else len(header[i])
               for i in range(4)]
-    lines = []
-    for cell in [header, *cells]:
-        line = "  ".join([cell[0].ljust(widths[0]), cell[1].ljust(widths[1]), cell[2].rjust(widths[2]),
-                          cell[3].rjust(widths[3]), cell[4]])
-        lines.append(line if len(line) <= width else line[:width - 3] + "...")
-    return "\n".join(lines)
+    return "\n".join("  ".join([cell[0].ljust(widths[0]), cell[1].ljust(widths[1]), cell[2].rjust(widths[2]),
+                                 cell[3].rjust(widths[3]), cell[4]]).rstrip() for cell in [header, *cells])
 
 
 def format_summary(rows: Sequence[Row]) -> str:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from benchmarks._device_check_report import (
+    DETAIL_CHARS,
     OUT_OF_TIME,
     RAY_MISSING,
     Row,
@@ -73,6 +74,8 @@ def test_the_table_has_a_row_a_test_and_the_summary_counts_outcomes_and_reasons(
     assert lines[3].endswith("skipped: needs 2 CUDA devices")
     assert format_summary(rows).splitlines() == ["1 passed, 2 skipped", "  skipped: needs 2 CUDA devices (2)"]
     assert format_summary([]) == "no tests"
+    long = format_table([Row("ray", A, "failed", detail="x" * 500)]).splitlines()[1]
+    assert long.endswith("failed: " + "x" * (DETAIL_CHARS - 3) + "...")
 
 
 @pytest.mark.processes
