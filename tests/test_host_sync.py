@@ -170,6 +170,11 @@ def _check(default: dict, skipping: dict, failing: dict, reference: list[float],
     assert failing["step"] == BAD_STEP - 1
 
 
+def test_the_log_interval_is_a_positive_number_of_steps():
+    with pytest.raises(ValueError, match="training.log_every_steps must be a positive integer, got 0"):
+        TrainingConfig(log_every_steps=0)
+
+
 def test_a_step_reads_nothing_from_the_device_between_log_intervals():
     _check(*run_distributed(_loops, 1, "cpu", timeout_s=240)[0])
 

@@ -128,7 +128,7 @@ class AsyncWorker:
         factor = throttle_factor(self.spec.faults, lease.ticket + 1)
         if factor > 1:
             time.sleep((factor - 1) * compute_s)
-        grad_norm = clip_gradients(self.model.parameters(), self.spec.optim.clip_grad_norm)
+        grad_norm = clip_gradients(self.model.parameters(), self.spec.optim.clip_grad_norm).item()  # reported now
         finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
         if not finite and self.spec.training.on_nonfinite == "fail":
             raise NonFiniteStep(f"step {lease.ticket + 1}: the loss on {self.spec.name} is {loss_sum / samples} and "

@@ -146,6 +146,7 @@ class TrainWorkerProcess:
         return self.worker.status.poll(wait_s, seen)
 
     def answer_now(self) -> None:
+        self.worker.loop.report_now()  # the steps its thread has not read yet (on a CPU)
         self.worker.status.answer_now()
 
     def save_checkpoint(self) -> str:

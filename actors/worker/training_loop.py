@@ -41,7 +41,7 @@ from raylastic.actors.worker.actor import TrainingThreadHung
 from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.mailbox import StatusMailbox
 from raylastic.actors.worker.saver import AsyncSaver
-from raylastic.actors.worker.step import StepRunner, UnreadStep
+from raylastic.actors.worker.step import ReadSteps, StepRunner, UnreadStep
 from raylastic.actors.worker.stop_vote import CheckpointAsks, StopVote, stops_early
 from raylastic.jobconfig import DataConfig, EvalConfig, TrainingConfig
 from raylastic.strategies.base import TrainState
@@ -105,6 +105,9 @@ class TrainingLoop:
         self._profiled = False
         self._unread: list[UnreadStep] = []
         """Steps trained (their optimizer stepped) whose results are not read from the device yet."""
+        self._unread_from_nonfinite: list[UnreadStep] = []
+        self._reading = threading.Lock()
+        """Held while ``_unread`` is appended to or read: the loop's thread and ``report_now``'s caller both read."""
 
     def start(self, state: TrainState, until_step: int, hooks: Sequence[StepHook] = (),
               copies: BuddyCopies | None = None) -> None:
@@ -185,7 +188,8 @@ class TrainingLoop:
                 unread = self.runner.train(state, step_index, batches, hooks,
                                            before_reduction=copies.finish if copies is not None else None)
             step = unread.result.step
-            self._unread.append(unread)  # a failure from here on still reports it (_run)
+            with self._reading:
+                self._unread.append(unread)  # a failure from here on still reports it (_run, report_now)
             if compiling:  # torch.compile compiles lazily, in the generation's first step
                 status.post_event(Event("compiled", step, details={"first_step_s": round(unread.result.duration_s, 3)}))
                 compiling = False
@@ -218,14 +222,36 @@ class TrainingLoop:
     def _report_unread(self) -> list[StepResult]:
         """Read the steps trained since the last read (one host read) and commit their results to the mailbox;
         raise NonFiniteStep for a non-finite one (training.on_nonfinite=fail), after committing those before it."""
+        with self._reading:
+            read = self._commit_unread()
+        if read.nonfinite is not None:
+            raise read.nonfinite
+        return read.results
+
+    def report_now(self) -> None:
+        """On a CPU, commit the steps trained but not read yet: the Controller ends the generation and takes the
+        results the mailbox holds, and a survivor blocked in a collective with a lost peer would otherwise keep
+        them. Never waits: on a GPU the device may be stuck in that collective, and the steps are reported when the
+        loop's thread fails; while the thread reads, its read reports them."""
+        if self.device.type == "cuda" or not self._reading.acquire(blocking=False):
+            return
+        try:
+            read = self._commit_unread()
+            if read.nonfinite is not None:  # the loop's next read finds it again and fails the run
+                self._unread[:0] = self._unread_from_nonfinite
+        finally:
+            self._reading.release()
+
+    def _commit_unread(self) -> ReadSteps:
+        """Read ``_unread`` (hold ``_reading``) and commit the results before the first non-finite step; the steps
+        from that one on are kept in ``_unread_from_nonfinite``."""
         unread, self._unread = self._unread, []
         read = self.runner.read(unread)
         raise_if_aborted()  # NCCL: a reduction of these steps our abort ended may have returned as if complete
         for result in read.results:
             self.status.commit(result)
-        if read.nonfinite is not None:
-            raise read.nonfinite
-        return read.results
+        self._unread_from_nonfinite = unread[len(read.results):]
+        return read
 
     def _rebalance(self, balancer: Balancer, rates: tuple[float, ...]) -> bool:
         """Take a vote's rates; True when the split changes from the next step on (the same on every rank)."""
