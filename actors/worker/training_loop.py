@@ -1,7 +1,9 @@
 """A worker's step loop, in a thread of its own so that the actor keeps answering ``poll`` while it trains.
 
 Each step: the step hooks' work before it (injected faults: actors/faults/step_hooks.py), a stop vote when
-one is due, the step itself, its result to the status mailbox, the buddy copy of the sharded state
+one is due, the step itself, its result to the status mailbox once read from the device (every step since the
+last read in one transfer, at training.log_every_steps, a vote, a save, an evaluation and the last step: between
+them a step makes no host synchronisation; actors/worker/step.py), the buddy copy of the sharded state
 (strategies/buddy_copy.py), the profiler, a periodic save and a periodic evaluation. The hang watchdog
 (failure.max_step_s) sees the step and the work at its boundary, a save included. With
 ``balance`` on, each vote also hands every rank's compute rate to every rank, and the batch split
