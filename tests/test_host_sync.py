@@ -18,6 +18,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from raylastic.actors.data.compute_clock import ComputeClock
 from raylastic.actors.data.order import GlobalSampleOrder
@@ -46,16 +47,21 @@ READS = (("item", torch.Tensor), ("tolist", torch.Tensor), ("__bool__", torch.Te
 
 
 class _StepCounter(StepHook):
-    """Which step of the loop is running: ``before_step`` opens it, and the work at its boundary belongs to it."""
+    """Which step of the loop is running: ``before_step`` opens it, and the work at its boundary belongs to it. With
+    ``peer_lost_at``, that step fails as a step whose peer is lost does."""
 
-    def __init__(self) -> None:
+    def __init__(self, peer_lost_at: int | None = None) -> None:
         self.step = 0
+        self.peer_lost_at = peer_lost_at
 
     def before_step(self, step: int) -> None:
         self.step = step
+        if step == self.peer_lost_at:
+            raise dist.DistNetworkError("Connection reset by peer")
 
 
-def _run_loop(on_nonfinite: str, clip: float, poisoned: bool, device_type: str) -> dict:
+def _run_loop(on_nonfinite: str, clip: float, poisoned: bool, device_type: str, peer_lost_at: int | None = None
+              ) -> dict:
     """The loop over STEPS steps with a shim counting host reads by step; its results, end and read counts."""
     device = torch.device(device_type)
     stop_vote.VOTE_PERIOD_S = 1e9  # votes 100 steps apart: only the first two steps vote, the log interval shows
@@ -81,7 +87,7 @@ def _run_loop(on_nonfinite: str, clip: float, poisoned: bool, device_type: str) 
                                                                                 device=device),
                             saver=saver, status=status, device=device, training=training, data=DataConfig(),
                             eval=EvalConfig())
-        counter, reads = _StepCounter(), [0] * (STEPS + 1)
+        counter, reads = _StepCounter(peer_lost_at), [0] * (STEPS + 1)
         voted: list[int] = []
         close = stop_vote.StopVote.close
 
@@ -109,7 +115,8 @@ def _run_loop(on_nonfinite: str, clip: float, poisoned: bool, device_type: str) 
                 setattr(owner, name, original)
             stop_vote.StopVote.close = close
         answer = status.poll()
-    return {"phase": answer.phase, "error": answer.error, "step": answer.step, "reads": reads, "voted": voted,
+    return {"phase": answer.phase, "error": answer.error, "cause": answer.error_cause, "step": answer.step,
+            "reads": reads, "voted": voted,
             "results": [(r.step, r.loss_sum, r.samples, r.grad_norm, r.skipped, r.compute_s) for r in answer.results]}
 
 
@@ -147,12 +154,14 @@ def _assert_no_reads_between(outcome: dict) -> None:
     assert {step: outcome["reads"][step] for step in quiet if outcome["reads"][step]} == {}
 
 
-def _loops(device_type: str) -> tuple[dict, dict, dict, list[float]]:
+def _loops(device_type: str) -> tuple[dict, dict, dict, dict, list[float]]:
     return (_run_loop("fail", 0.0, False, device_type), _run_loop("skip", 1.0, True, device_type),
-            _run_loop("fail", 0.0, True, device_type), _reference_losses(0.0))
+            _run_loop("fail", 0.0, True, device_type), _run_loop("fail", 0.0, True, device_type, BAD_STEP + 1),
+            _reference_losses(0.0))
 
 
-def _check(default: dict, skipping: dict, failing: dict, reference: list[float], rel: float = 1e-5) -> None:
+def _check(default: dict, skipping: dict, failing: dict, failing_then_lost: dict, reference: list[float],
+           rel: float = 1e-5) -> None:
     assert default["phase"] == "finished" and default["step"] == STEPS, default["error"]
     _assert_no_reads_between(default)
     assert [r[0] for r in default["results"]] == list(range(1, STEPS + 1))
@@ -168,6 +177,10 @@ def _check(default: dict, skipping: dict, failing: dict, reference: list[float],
     assert failing["phase"] == "failed" and f"NonFiniteStep: step {BAD_STEP}:" in failing["error"]
     assert [r[0] for r in failing["results"]] == list(range(1, BAD_STEP))  # the steps before it are reported
     assert failing["step"] == BAD_STEP - 1
+    # A peer lost before the read: the unread NaN step is still found, and the run fails as the job's error (a
+    # recovery would carry its state on).
+    assert failing_then_lost["cause"] == "job" and f"NonFiniteStep: step {BAD_STEP}:" in failing_then_lost["error"]
+    assert failing_then_lost["step"] == BAD_STEP - 1
 
 
 def test_the_log_interval_is_a_positive_number_of_steps():

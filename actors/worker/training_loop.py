@@ -43,7 +43,7 @@ from raylastic.actors.worker.actor import TrainingThreadHung
 from raylastic.actors.worker.evaluation import Evaluator
 from raylastic.actors.worker.mailbox import StatusMailbox
 from raylastic.actors.worker.saver import AsyncSaver
-from raylastic.actors.worker.step import ReadSteps, StepRunner, UnreadStep
+from raylastic.actors.worker.step import NonFiniteStep, ReadSteps, StepRunner, UnreadStep
 from raylastic.actors.worker.stop_vote import CheckpointAsks, StopVote, stops_early
 from raylastic.jobconfig import DataConfig, EvalConfig, TrainingConfig
 from raylastic.strategies.base import TrainState
@@ -161,10 +161,23 @@ class TrainingLoop:
             with self._profiler() as profiler:
                 self._steps(state, until_step, hooks, profiler, copies)
         except BaseException as error:  # noqa: BLE001 - any failure is reported (DCP's errors are BaseExceptions)
-            with contextlib.suppress(BaseException):  # the steps committed before it count (unless aborted)
-                self._report_unread()
+            error = self._report_after(error)
             cause = "peer_lost" if is_peer_loss(error) else "job"
-            self.status.set_phase("failed", f"{type(error).__name__}: {error}\n{traceback.format_exc()}", cause)
+            self.status.set_phase("failed", f"{type(error).__name__}: {error}\n"
+                                  f"{''.join(traceback.format_exception(error))}", cause)
+
+    def _report_after(self, error: BaseException) -> BaseException:
+        """Report the steps trained before ``error`` and not read yet (they count: unless our NCCL abort ended one);
+        the error to report: a non-finite step among them (training.on_nonfinite=fail) is the job's, not ``error``
+        (a peer lost after it must not hand its state to a recovery)."""
+        try:
+            self._report_unread()
+        except NonFiniteStep as nonfinite:
+            nonfinite.__context__ = None  # not a peer loss (is_peer_loss follows the chain)
+            return nonfinite
+        except BaseException:  # noqa: BLE001 - the steps are not reported; ``error`` says why the loop ended
+            pass
+        return error
 
     def _steps(self, state: TrainState, until_step: int, hooks: Sequence[StepHook], profiler: Any,
                copies: BuddyCopies | None) -> None:
