@@ -60,6 +60,12 @@ class GroupGradScaler(ShardedGradScaler):
         if self._enabled and self._scale is None:  # a pipeline's first stages never scale a loss themselves
             self._lazy_init_scale_growth_tracker(torch.device(self._device))
         super().unscale_(optimizer)
+        # The flag as GradScaler's own is, 0-dim and 0 or 1, for a fused optimizer (torch/optim/adam.py
+        # ``_fused_adam``): it skips only where the flag is 1 and subtracts the flag from its 0-dim step counts in
+        # place. ShardedGradScaler's is of shape (1,) and summed over the ranks (2 where two ranks overflow).
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {device: flag.reshape(()).clamp(max=1.0) for device, flag in
+                                         state["found_inf_per_device"].items()}
 
     def _amp_update_scale_cpu_(self, found_inf: torch.Tensor) -> None:
         assert self._scale is not None and self._growth_tracker is not None
