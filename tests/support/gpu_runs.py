@@ -115,6 +115,7 @@ def lose_a_rank_and_restore_from_its_buddy(store_path: str, strategy_name: str) 
     TrainWorker keeps them on a GPU); rank 1 leaves. Rank 0, alone in the next generation, rebuilds the whole state
     from its own shard and its buddy's copy of rank 1's. On rank 0: the whole state trained and the one rebuilt."""
     device = join_nccl(store_path)
+    dist_rank = dist.get_rank()
     run = GpuRun(strategy=strategy_name, steps=3)
     strategy, state, runner = setup(run, device)
     copies = BuddyCopies(group=dist.new_group(backend="gloo"), layout=state.layout, generation=0, timeout_s=60,
@@ -127,10 +128,10 @@ def lose_a_rank_and_restore_from_its_buddy(store_path: str, strategy_name: str) 
     kept = copies.kept()
     dist.barrier()
     copies.close()
-    if dist.get_rank() == 1:
-        return None
     del state, runner
-    leave_group()
+    leave_group()  # as a worker leaves its generation: NCCL's groups aborted, not waited on
+    if dist_rank == 1:
+        return None
     single = dist.FileStore(str(Path(store_path).with_name("survivor")), 1)
     _stores.append(single)
     join_group(GroupAssignment(generation=1, rank=0, world_size=1, store=None, store_prefix="gpu-check",
