@@ -61,6 +61,7 @@ class Group:
 
 
 def check_groups(paths: tuple[str, ...]) -> tuple[Group, Group]:
+    """The torch group, then the ray group, which looks for ``gpu`` tests under ``paths``."""
     return (Group("torch", ("tests/test_gpu_torch.py",), hide_ray=True),
             Group("ray", ("-m", "gpu", "--continue-on-collection-errors", "--ignore=tests/test_gpu_torch.py",
                           *paths), hide_ray=False))
@@ -84,12 +85,11 @@ def run_group(group: Group, deadline: float, log: Path, events: Path) -> GroupRu
     command = [sys.executable, "-m", "pytest", "-p", "benchmarks._device_check_plugin", "-p", "no:cacheprovider",
                "-q", *group.pytest_args]
     with tempfile.TemporaryDirectory(prefix="device-check-") as hidden:
-        path = [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
         if group.hide_ray:
             Path(hidden, "ray").mkdir()
             Path(hidden, "ray", "__init__.py").write_text(HIDDEN_RAY)
-            path.insert(0, hidden)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), EVENTS: str(events), DEADLINE: str(deadline)}
+        env = {**os.environ, "PYTHONPATH": _python_path(*([hidden] if group.hide_ray else [])), EVENTS: str(events),
+               DEADLINE: str(deadline)}
         started = time.monotonic()
         with open(log, "w") as output:
             process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
@@ -97,10 +97,16 @@ def run_group(group: Group, deadline: float, log: Path, events: Path) -> GroupRu
             try:
                 returncode: int | None = process.wait(timeout=max(1.0, deadline - time.time() + GRACE_S))
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # its session: the ranks and Ray processes it started
+                os.killpg(process.pid, signal.SIGKILL)  # its process group: the ranks it started too
                 process.wait(timeout=60)
                 returncode = None
     return GroupRun(group.name, command, returncode, round(time.monotonic() - started, 1), str(log))
+
+
+def _python_path(*first: str) -> str:
+    """``first``, then this checkout (so its ``raylastic`` is the one imported, installed or not), then the
+    caller's PYTHONPATH."""
+    return os.pathsep.join([*first, str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def read_events(path: Path) -> list[dict]:
@@ -113,8 +119,7 @@ def machine_versions() -> dict:
     """benchmarks/_device_check_versions.py's answer, from a process of its own (none on failure: its error)."""
     done = subprocess.run([sys.executable, "-m", "benchmarks._device_check_versions"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
+                          env={**os.environ, "PYTHONPATH": _python_path()})
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-2000:]}
     return json.loads(done.stdout)
