@@ -28,6 +28,8 @@ RUN_TIMEOUT_S = 240.0
 RANK = "TrainWorkerProcess"
 """What a rank's process title names (``ray::TrainWorkerProcess...``)."""
 
+pytestmark = pytest.mark.processes  # a Ray head of its own, and the run on it
+
 
 @pytest.fixture(scope="module")
 def laptop_head():
