@@ -60,9 +60,10 @@ class _StepCounter(StepHook):
             raise dist.DistNetworkError("Connection reset by peer")
 
 
-def _run_loop(on_nonfinite: str, clip: float, poisoned: bool, device_type: str, peer_lost_at: int | None = None
-              ) -> dict:
-    """The loop over STEPS steps with a shim counting host reads by step; its results, end and read counts."""
+def _run_loop(on_nonfinite: str, clip: float, poisoned: bool, device_type: str, peer_lost_at: int | None = None,
+              read_aborted: bool = False) -> dict:
+    """The loop over STEPS steps with a shim counting host reads by step; its results, end and read counts.
+    ``read_aborted``: from the lost peer's step on, a read fails as one after our NCCL abort does."""
     device = torch.device(device_type)
     stop_vote.VOTE_PERIOD_S = 1e9  # votes 100 steps apart: only the first two steps vote, the log interval shows
     workload = PoisonedDigits(poison_index_for(BAD_STEP, 0, 1, BATCH))
@@ -106,6 +107,15 @@ def _run_loop(on_nonfinite: str, clip: float, poisoned: bool, device_type: str, 
 
         for owner, name, original in originals:
             setattr(owner, name, counting(original))
+        if read_aborted:
+            read_steps = runner.read
+
+            def aborted_after_the_loss(steps):
+                if counter.step >= peer_lost_at:
+                    raise RuntimeError("the NCCL communicator was aborted")
+                return read_steps(steps)
+
+            runner.read = aborted_after_the_loss
         stop_vote.StopVote.close = recording_close
         try:
             loop.start(state, until_step=STEPS, hooks=(counter,))
@@ -116,7 +126,7 @@ def _run_loop(on_nonfinite: str, clip: float, poisoned: bool, device_type: str, 
             stop_vote.StopVote.close = close
         answer = status.poll()
     return {"phase": answer.phase, "error": answer.error, "cause": answer.error_cause, "step": answer.step,
-            "reads": reads, "voted": voted,
+            "reads": reads, "voted": voted, "state_ahead": loop.state_ahead_of_commit,
             "results": [(r.step, r.loss_sum, r.samples, r.grad_norm, r.skipped, r.compute_s) for r in answer.results]}
 
 
@@ -154,15 +164,16 @@ def _assert_no_reads_between(outcome: dict) -> None:
     assert {step: outcome["reads"][step] for step in quiet if outcome["reads"][step]} == {}
 
 
-def _loops(device_type: str) -> tuple[dict, dict, dict, dict, list[float]]:
+def _loops(device_type: str) -> tuple[dict, dict, dict, dict, dict, list[float]]:
     return (_run_loop("fail", 0.0, False, device_type), _run_loop("skip", 1.0, True, device_type),
             _run_loop("fail", 0.0, True, device_type), _run_loop("fail", 0.0, True, device_type, BAD_STEP + 1),
-            _reference_losses(0.0))
+            _run_loop("fail", 0.0, False, device_type, BAD_STEP + 1, read_aborted=True), _reference_losses(0.0))
 
 
-def _check(default: dict, skipping: dict, failing: dict, failing_then_lost: dict, reference: list[float],
-           rel: float = 1e-5) -> None:
+def _check(default: dict, skipping: dict, failing: dict, failing_then_lost: dict, aborted: dict,
+           reference: list[float], rel: float = 1e-5) -> None:
     assert default["phase"] == "finished" and default["step"] == STEPS, default["error"]
+    assert not default["state_ahead"]
     _assert_no_reads_between(default)
     assert [r[0] for r in default["results"]] == list(range(1, STEPS + 1))
     assert [r[1] for r in default["results"]] == pytest.approx(reference, rel=rel)
@@ -181,6 +192,9 @@ def _check(default: dict, skipping: dict, failing: dict, failing_then_lost: dict
     # recovery would carry its state on).
     assert failing_then_lost["cause"] == "job" and f"NonFiniteStep: step {BAD_STEP}:" in failing_then_lost["error"]
     assert failing_then_lost["step"] == BAD_STEP - 1
+    # Steps trained but never committed (their read failed after an abort): the live state is ahead of the committed
+    # step, and the worker must not keep or send it (TrainWorker._leave).
+    assert aborted["cause"] == "peer_lost" and aborted["step"] < BAD_STEP and aborted["state_ahead"], aborted
 
 
 def test_the_log_interval_is_a_positive_number_of_steps():

@@ -229,6 +229,8 @@ class TrainWorker:
         """End the current generation's work and let go of its state and groups; the state a replicated strategy
         carries into the next generation (None: it is built afresh)."""
         self.loop.leave(collective_timeout_s=collective_timeout_s)
+        if self.loop.state_ahead_of_commit:  # updates past status.step, maybe from an aborted reduction
+            self._state_intact = self._holds_run_state = False
         self.saver.detach()
         if self.copies is not None:
             self.copies.close()

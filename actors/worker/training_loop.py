@@ -108,6 +108,10 @@ class TrainingLoop:
         self._unread: list[UnreadStep] = []
         """Steps trained (their optimizer stepped) whose results are not read from the device yet."""
         self._unread_from_nonfinite: list[UnreadStep] = []
+        self.state_ahead_of_commit = False
+        """The loop ended with steps trained but not committed (their read failed, or our NCCL abort ended one of
+        their reductions): the live state holds updates past ``status.step``, and may hold one made from an
+        aborted reduction, so it is no member's state to keep or send."""
         self._reading = threading.Lock()
         """Held while ``_unread`` is appended to or read: the loop's thread and ``report_now``'s caller both read."""
 
@@ -176,7 +180,7 @@ class TrainingLoop:
             nonfinite.__context__ = None  # not a peer loss (is_peer_loss follows the chain)
             return nonfinite
         except BaseException:  # noqa: BLE001 - the steps are not reported; ``error`` says why the loop ended
-            pass
+            self.state_ahead_of_commit = True
         return error
 
     def _steps(self, state: TrainState, until_step: int, hooks: Sequence[StepHook], profiler: Any,
@@ -189,7 +193,7 @@ class TrainingLoop:
         meter = RateMeter()
         batches = self.runner.batches(self.dataset, status.step, until_step, self.data)
         step = status.step
-        self._unread = []
+        self._unread, self.state_ahead_of_commit = [], False
         if copies is not None:
             copies.start(strategy, state, scaler, step)  # the state this generation starts from
         while step < until_step:
