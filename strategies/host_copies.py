@@ -113,7 +113,7 @@ class HostCopier:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.path = copy_path(device, torch.cuda.is_available())
+        self.path = copy_path(device, device.type == "cuda" and torch.cuda.is_available())  # CPU: CUDA untouched
         self.pool = BufferPool(pinned=self.path == "side_stream")
         self._stream = torch.cuda.Stream(device=device) if self.path == "side_stream" else None
 
