@@ -109,17 +109,14 @@ class _Exchange:
 
 
 class BuddyCopies:
-    def __init__(self, *, group: dist.ProcessGroup, layout: ShardLayout, generation: int, timeout_s: float,
-                 pin_memory: bool | None = None) -> None:
+    def __init__(self, *, group: dist.ProcessGroup, layout: ShardLayout, generation: int, timeout_s: float) -> None:
         """``group``: a gloo group of this generation used for nothing else. Host buffers are pinned, and copied
-        into on a side stream, where the state is on a GPU (strategies/host_copies.py); ``pin_memory``, where a
-        caller says which it expects, must agree with the state's device."""
+        into on a side stream, where the state is on a GPU (strategies/host_copies.py)."""
         assert layout.replicas == 1 and layout.world_size > 1, f"a buddy copy is for one copy of the state: {layout}"
         self.group = group
         self.layout = layout
         self.generation = generation
         self.timeout = timedelta(seconds=timeout_s)
-        self.pin_memory = pin_memory
         world_size = layout.world_size
         self.right = (layout.rank + 1) % world_size
         self.left = ShardLayout(world_size=world_size, replicas=1, rank=(layout.rank - 1) % world_size)
@@ -172,8 +169,6 @@ class BuddyCopies:
     def _copier_for(self, packing: _Packing) -> HostCopier:
         if self._copier is None:
             self._copier = HostCopier(packing.device)
-            assert self.pin_memory in (None, self._copier.pool.pinned), f"pin_memory={self.pin_memory}: the state " \
-                f"is on {packing.device}"
             self._received_pool = BufferPool(pinned=False)  # gloo writes it; no device reads it
         return self._copier
 
@@ -289,9 +284,9 @@ class RegionBuddyCopies(BuddyCopies):
     rank at the same step, as a step's optimizer state grows on all of them). ``layout``: the generation's."""
 
     def __init__(self, *, group: dist.ProcessGroup, layout: ParallelLayout, rank: int, generation: int,
-                 timeout_s: float, pin_memory: bool | None = None) -> None:
+                 timeout_s: float) -> None:
         super().__init__(group=group, layout=ShardLayout(world_size=layout.world_size, replicas=1, rank=rank),
-                         generation=generation, timeout_s=timeout_s, pin_memory=pin_memory)
+                         generation=generation, timeout_s=timeout_s)
         self.parallel = layout
         self._left: dict[str, Any] = {}
 

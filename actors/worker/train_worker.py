@@ -198,11 +198,10 @@ class TrainWorker:
         self.saver.attach(self.state, self.checkpoint_group, assignment.layout)
         if copies_group is not None:
             self.copies = (RegionBuddyCopies(group=copies_group, layout=assignment.layout, rank=assignment.rank,
-                                             generation=assignment.generation, timeout_s=assignment.timeout_s,
-                                             pin_memory=self.device.type == "cuda")
+                                             generation=assignment.generation, timeout_s=assignment.timeout_s)
                            if assignment.layout is not None else
                            BuddyCopies(group=copies_group, layout=self.state.layout, generation=assignment.generation,
-                                       timeout_s=assignment.timeout_s, pin_memory=self.device.type == "cuda"))
+                                       timeout_s=assignment.timeout_s))
         if previous is None and not self.strategy.replicated:
             self.status.step = 0
         self.status.set_phase("idle")

@@ -118,8 +118,7 @@ def lose_a_rank_and_restore_from_its_buddy(store_path: str, strategy_name: str) 
     dist_rank = dist.get_rank()
     run = GpuRun(strategy=strategy_name, steps=3)
     strategy, state, runner = setup(run, device)
-    copies = BuddyCopies(group=dist.new_group(backend="gloo"), layout=state.layout, generation=0, timeout_s=60,
-                         pin_memory=device.type == "cuda")
+    copies = BuddyCopies(group=dist.new_group(backend="gloo"), layout=state.layout, generation=0, timeout_s=60)
     for step in range(run.steps):
         runner.run(state, step, before_reduction=copies.finish)
         copies.start(strategy, state, None, step + 1)
