@@ -189,6 +189,7 @@ def _peak_rss_growth(path: Path, mode: str = "fresh_maps") -> int:
     return int(result.stdout.split()[-1])
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
 def test_resident_memory_does_not_grow_with_the_file(tmp_path):
     small, large = tmp_path / "small.bin", tmp_path / "large.bin"
