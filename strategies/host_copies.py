@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 CopyPath = Literal["side_stream", "inline"]
 """``side_stream``: pinned buffers, non-blocking copies on a side stream, an event; ``inline``: a plain copy."""
@@ -95,17 +96,27 @@ class PendingCopy:
         return self.event is None or self.event.query()
 
     def wait(self, timeout_s: float) -> None:
-        """Until the bytes are in host memory; TimeoutError after ``timeout_s`` (a device that no longer runs
-        what it was given: the copy is not to be trusted)."""
+        """Until the bytes are in host memory; after ``timeout_s`` a DistNetworkError, which the run takes for a
+        lost peer: a device that no longer runs what it was given is stuck in a collective with one (and the
+        copy is not to be trusted)."""
         if self.event is None:
             return
         deadline, interval = time.monotonic() + timeout_s, POLL_S[0]
         while not self.event.query():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"a copy to host memory did not complete within {timeout_s:g}s")
+                raise dist.DistNetworkError(f"a copy to host memory did not complete within {timeout_s:g}s: "
+                                            "the device is stuck (in a collective with a lost peer)")
             time.sleep(interval)
             interval = min(2 * interval, POLL_S[1])
         self.event = None
+
+
+def copy_now(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> PendingCopy:
+    """Copy each (host target, source) pair in one call (a shard has hundreds of small entries); done on return,
+    from a GPU too (a blocking copy)."""
+    if pairs:
+        torch._foreach_copy_([target for target, _ in pairs], [source for _, source in pairs])
+    return PendingCopy()
 
 
 class HostCopier:
@@ -129,10 +140,9 @@ class HostCopier:
         pairs = [*ordered, *pairs]
         if not pairs:
             return PendingCopy()
-        targets, sources = [target for target, _ in pairs], [source for _, source in pairs]
         if self._stream is None:
-            torch._foreach_copy_(targets, sources)  # one call: a shard has hundreds of small entries
-            return PendingCopy()
+            return copy_now(pairs)
+        sources = [source for _, source in pairs]
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)  # the sources hold what the kernels queued so far wrote
         with torch.cuda.stream(self._stream):

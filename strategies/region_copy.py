@@ -28,10 +28,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from raylastic.strategies.base import Strategy, TrainState, init_optimizer_state
-from raylastic.strategies.host_copies import HostCopier, PendingCopy
+from raylastic.strategies.host_copies import HostCopier, PendingCopy, copy_now
 from raylastic.strategies.plain_objects import all_gather_plain, dtype_name, dtype_of
 from raylastic.strategies.region_plan import Piece, RegionCopy, RegionRestorePlan, RestoreTraffic
-from raylastic.strategies.shard_copy import INLINE, KEEP_TIMEOUT_S, PACK_ALIGNMENT
+from raylastic.strategies.shard_copy import KEEP_TIMEOUT_S, PACK_ALIGNMENT
 
 Region = tuple[tuple[int, ...], tuple[int, ...]]
 """(offset, shape) of a part of an entry."""
@@ -131,7 +131,7 @@ class RegionPacker:
             region, dtype, offset = self.entries[key]
             target = out[offset:offset + local.numel() * local.element_size()].view(dtype).view(region[1])
             (first if key in ordered else pairs).append((target, local))
-        return (copier or INLINE).copy(pairs, ordered=first)
+        return copier.copy(pairs, ordered=first) if copier else copy_now([*first, *pairs])
 
 
 def region_packed_size(entries: dict[str, tuple[Region, torch.dtype, int]]) -> int:

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from raylastic.strategies.base import Strategy, TrainState, init_optimizer_state, scaler_entries, set_scaler
-from raylastic.strategies.host_copies import HostCopier, PendingCopy
+from raylastic.strategies.host_copies import HostCopier, PendingCopy, copy_now
 from raylastic.strategies.peer_restore import PeerRestorePlan, ShardCopy
 from raylastic.strategies.plain_objects import broadcast_plain, dtype_name, dtype_of
 from raylastic.strategies.shard_layout import ShardLayout, row_bounds
@@ -50,8 +50,6 @@ PACK_ALIGNMENT = 16
 """Bytes: where each entry of a packed shard starts (a multiple of every dtype's size)."""
 KEEP_TIMEOUT_S = 120.0
 """How long a worker leaving a generation waits for its device's copy of its shard."""
-INLINE = HostCopier(torch.device("cpu"))
-"""Plain copies, done on return (from a GPU too: a blocking copy)."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +147,7 @@ class ShardPacker:
         for (key, _, _, rows), target in zip(self._parts, self._targets[key_of_buffer], strict=True):
             source = _local_rows(fresh[key], self.layout) if fresh and key in fresh else rows
             (first if key in ordered else pairs).append((target, source))
-        return (copier or INLINE).copy(pairs, ordered=first)
+        return copier.copy(pairs, ordered=first) if copier else copy_now([*first, *pairs])
 
 
 def pack_shard(flat: dict[str, torch.Tensor], layout: ShardLayout, entries: dict[str, _Entry],
