@@ -6,8 +6,8 @@ GPU (at most 2) through cluster.job.train and are skipped where torch sees no CU
 re-plan, P2P and the NCCL abort need two GPUs (with one, a compression hook has nothing to send: its arithmetic on
 CUDA tensors with a peer runs only with two; tests/test_gpu_torch.py runs it without Ray). Without CUDA, what runs
 instead is what a user then gets from scaling.use_gpu=true: an error naming the field, not a silent CPU run (a
-local Ray is given 2 logical GPUs, so the workers are placed and the error comes from them), and which
-device each GPU worker would bind and see (a local Ray given 4 logical GPUs named by UUID).
+local Ray is given logical GPUs, so the workers are placed and the error comes from them), and which
+device each GPU worker would bind and see (the same local Ray: 4 logical GPUs named by UUID).
 
     python -m benchmarks.device_check         # on a GPU machine: these and every other GPU test
     python -m pytest tests/test_gpu.py -v     # these alone
@@ -57,12 +57,25 @@ def test_use_gpu_without_a_cuda_device_is_an_error_naming_the_field():
     assert choose_device(False) == torch.device("cpu") and choose_backend(False) == "gloo"
 
 
-@pytest.fixture
-def ray_with_logical_gpus(local_ray):
-    """A local Ray that believes it has 2 GPUs (logical resources): GPU workers are placed, CUDA is absent."""
+NODE_GPUS = [f"GPU-5d2f0e1a-0000-4000-8000-00000000000{i}" for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def ray_with_four_gpus_named_by_uuid(local_ray):
+    """A local Ray whose node has 4 logical GPUs and a raylet that sees them by UUID (CUDA_VISIBLE_DEVICES), as on a
+    node that names its GPUs: Ray's GPU ids are then the UUIDs. GPU workers are placed, CUDA is absent (without it);
+    the module's tests that use it share it."""
     local_ray.stop()
-    ray.init(address="local", num_cpus=4, num_gpus=2, namespace=NAMESPACE, include_dashboard=False,
-             logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    before = os.environ.get(VISIBLE_DEVICES)
+    os.environ[VISIBLE_DEVICES] = ",".join(NODE_GPUS)  # the raylet and its workers inherit it
+    try:
+        start_local_ray(num_cpus=4, num_gpus=4, namespace=NAMESPACE, include_dashboard=False,
+                        logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    finally:
+        if before is None:
+            del os.environ[VISIBLE_DEVICES]  # this process's own CUDA must not see the made-up GPUs
+        else:
+            os.environ[VISIBLE_DEVICES] = before
     try:
         yield
     finally:
@@ -70,7 +83,8 @@ def ray_with_logical_gpus(local_ray):
 
 
 @without_cuda
-def test_a_gpu_job_on_workers_without_cuda_fails_at_once_naming_the_field(ray_with_logical_gpus, tmp_path):
+@pytest.mark.usefixtures("ray_with_four_gpus_named_by_uuid")
+def test_a_gpu_job_on_workers_without_cuda_fails_at_once_naming_the_field(tmp_path):
     config = job("scaling.use_gpu=true", "scaling.min_workers=2", "scaling.max_workers=2",
                  "scaling.placement_timeout_s=300", name="nocuda")
     started = time.monotonic()
@@ -78,7 +92,7 @@ def test_a_gpu_job_on_workers_without_cuda_fails_at_once_naming_the_field(ray_wi
         train(config, run_dir=tmp_path)
     assert "scaling.use_gpu=true, but this worker sees no CUDA device" in str(raised.value)
     # Ray left the workers' CUDA_VISIBLE_DEVICES as the node has it (it narrows it to the actor's GPU by default)
-    assert f"{VISIBLE_DEVICES}={os.environ.get(VISIBLE_DEVICES)!r}" in str(raised.value)
+    assert f"{VISIBLE_DEVICES}={','.join(NODE_GPUS)!r}" in str(raised.value)
     assert time.monotonic() - started < config.scaling.placement_timeout_s / 3  # not retried until placement gives up
 
 
@@ -320,30 +334,6 @@ class _GpuWorkerProbe:
     def binding(self) -> dict:
         return {"assigned": [str(i) for i in ray.get_gpu_ids()], "visible": os.environ.get(VISIBLE_DEVICES),
                 "index": assigned_cuda_device_index(), "nccl_debug": os.environ.get("NCCL_DEBUG")}
-
-
-NODE_GPUS = [f"GPU-5d2f0e1a-0000-4000-8000-00000000000{i}" for i in range(4)]
-
-
-@pytest.fixture
-def ray_with_four_gpus_named_by_uuid(local_ray):
-    """A local Ray whose node has 4 logical GPUs and a raylet that sees them by UUID (CUDA_VISIBLE_DEVICES), as on a
-    node that names its GPUs: Ray's GPU ids are then the UUIDs."""
-    local_ray.stop()
-    before = os.environ.get(VISIBLE_DEVICES)
-    os.environ[VISIBLE_DEVICES] = ",".join(NODE_GPUS)  # the raylet and its workers inherit it
-    try:
-        start_local_ray(num_cpus=4, num_gpus=4, namespace=NAMESPACE, include_dashboard=False,
-                        logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
-    finally:
-        if before is None:
-            del os.environ[VISIBLE_DEVICES]  # this process's own CUDA must not see the made-up GPUs
-        else:
-            os.environ[VISIBLE_DEVICES] = before
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.usefixtures("ray_with_four_gpus_named_by_uuid")
