@@ -61,6 +61,8 @@ def test_dtype_names_round_trip():
         dtype_of("nn")
 
 
+STEPS = 12
+"""Checkpoints at steps 5 and 10 and the end's: one before the kill at step 8, two after the recovery."""
 RUNS = {  # a run per layout, each losing rank 1 at step 8 and taking the state back from the survivor's memory
     "ddp": ("tests.support.user_workload:PickleFreeDigits", "strategy.name=ddp"),
     "zero1": ("tests.support.user_workload:PickleFreeDigits", "strategy.name=zero1"),
@@ -79,10 +81,11 @@ def test_a_run_with_a_kill_and_checkpoints_sends_no_pickle(tmp_path, layout):
     survivor kept and its buddy copy (strategies/region_copy.py), and under pp the final model.pt is gathered from
     the stages."""
     workload, *overrides = RUNS[layout]
-    disturbed = job(f"workload.name={workload}", *overrides, "checkpoint.every_steps=5", "scaling.min_workers=2",
+    disturbed = job(f"workload.name={workload}", *overrides, f"training.steps={STEPS}", "checkpoint.every_steps=5",
+                    "scaling.min_workers=2",
                     "faults=[{action: kill, rank: 1, step: 8}]", name=f"no-pickle-{layout}")
     result = train(disturbed, run_dir=tmp_path)
-    assert result.final_step == 20
+    assert result.final_step == STEPS
     assert sum(event.type == "worker_failed" for event in result.events) == 1
     formed = [event.details for event in result.events if event.type == "generation_formed"]
     assert len(formed) == 2, formed
