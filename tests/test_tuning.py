@@ -1,8 +1,8 @@
 """Sweeps on a real local Ray: Tune runs whole Raylastic jobs as trials, Optuna proposes, ASHA stops.
 
-One sweep of 6 digits trials is interrupted while its fourth trial runs, once its job has saved a
-checkpoint (SIGUSR1, Tune's Ctrl-C), and resumed by name; the tests read what it left. Trials run
-one at a time so the sweep is deterministic: the first three values are given
+One sweep of 5 digits trials is interrupted while its fourth trial runs, once its job has saved a
+checkpoint (SIGUSR1, Tune's Ctrl-C), and resumed by name (the searcher proposes the fifth then); the tests read
+what it left. Trials run one at a time so the sweep is deterministic: the first three values are given
 (``points_to_evaluate``) - a terrible learning rate first (the first trial at a rung always goes on,
 so it completes: the "worst"), a good one, then a bad one that ASHA must stop at its first rung.
 """
@@ -30,6 +30,7 @@ from tests.support.helpers import job, wait_until_cpus_free
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 STEPS = 40
+NUM_SAMPLES = 5
 SPACE = {"optim.lr": {"loguniform": [1e-5, 1e-1]}, "training.global_batch_size": {"choice": [32, 64]}}
 FIRST = [{"optim.lr": 1e-5, "training.global_batch_size": 32},   # terrible: completes, the worst
          {"optim.lr": 3e-3, "training.global_batch_size": 32},   # good
@@ -64,7 +65,7 @@ def base_job() -> JobConfig:
 
 
 def run_sweep(storage: Path, **options) -> SweepResult:
-    return sweep(base_job(), SPACE, num_samples=6, metric="accuracy", mode="max", name="digits",
+    return sweep(base_job(), SPACE, num_samples=NUM_SAMPLES, metric="accuracy", mode="max", name="digits",
                  storage_path=storage, max_concurrent_trials=1, early_stopping=ASHA, points_to_evaluate=FIRST,
                  **options)
 
@@ -91,10 +92,10 @@ class Snapshot:
     """Newest complete checkpoint of each trial's job (by trial id), or None."""
 
 
-def test_sweep_ranks_six_trials_and_the_best_beats_the_worst(sweeps):
+def test_sweep_ranks_five_trials_and_the_best_beats_the_worst(sweeps):
     _, _, result = sweeps
     frame = result.dataframe
-    assert len(frame) == 6 and frame["trial_id"].is_unique
+    assert len(frame) == NUM_SAMPLES and frame["trial_id"].is_unique
     assert set(frame["status"]) <= {"completed", "early_stopped"}
     completed = result.completed
     assert len(completed) >= 2
@@ -135,7 +136,7 @@ def test_resume_continues_without_rerunning_finished_trials(sweeps):
     assert len(finished) == 3 and (before["status"] == "unfinished").sum() == 1
     after = resumed.dataframe.set_index("trial_id")
     assert set(before.index) <= set(after.index)
-    assert len(after) == 6  # the searcher's state came back: 6 trials in all, not 6 more
+    assert len(after) == NUM_SAMPLES  # the searcher's state came back: 5 trials in all, not 5 more
     assert len(snapshot.results) >= 2 and all(p.stat().st_mtime_ns == t for p, t in snapshot.results.items())
     for trial_id, row in finished.iterrows():
         assert (after.loc[trial_id, "status"], after.loc[trial_id, "steps"]) == (row["status"], row["steps"])
@@ -161,7 +162,7 @@ def test_an_existing_sweep_is_only_continued_on_purpose(sweeps, tmp_path):
         run_sweep(result.path.parent)
     with pytest.raises(ValueError, match="its base job differs"):
         sweep(job("training.steps=41", "scaling.min_workers=1", "scaling.max_workers=1",
-                  "scaling.cpus_per_worker=0.25", name="tune"), SPACE, num_samples=6, metric="accuracy",
+                  "scaling.cpus_per_worker=0.25", name="tune"), SPACE, num_samples=NUM_SAMPLES, metric="accuracy",
               mode="max", name="digits", storage_path=result.path.parent, resume=True)
 
 
