@@ -12,6 +12,7 @@ the survivors allow, from its checkpoint, and ends as an undisturbed run does.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 
 import pytest
@@ -36,11 +37,54 @@ from tests.support.parallel_runs import (
 )
 from tests.support.strategy_runs import undisturbed_run
 
+LLAMA = ("tests.support.hf_workload:TinyLlama", {})
+"""A Hugging Face Llama that splits itself by its own tensor-parallel plan (its cases need transformers)."""
+ONE_PROCESS = {"fp32": (None,), "bf16": (None, "ddp", "bf16"), "llama": (None, "ddp", "fp32", None, LLAMA)}
+"""What each layout must end with: one process, no model parallelism (train_and_report's arguments)."""
+TWO_RANKS = {"tp2": (ParallelLayout(tp=2), "ddp"), "bf16-tp2": (ParallelLayout(tp=2), "ddp", "bf16")}
+FOUR_RANKS = {"hsdp-2copies-tp2": (ParallelLayout(dp_replicate=2, tp=2), "zero2"),
+              "zero3-dp2-tp2": (ParallelLayout(dp_shard=2, tp=2), "zero3", "fp32"),  # and its checkpoint's root
+              "llama-dp2-tp2": (ParallelLayout(dp_shard=2, tp=2), "zero2", "fp32", None, LLAMA)}
+
+
+def train_each_and_report(cases: list[tuple]) -> list[dict]:
+    """``train_and_report(*case)`` for each of ``cases`` in turn, on the same ranks."""
+    return [train_and_report(*case) for case in cases]
+
+
+def trained_each(world_size: int, cases: dict[str, tuple]) -> dict[str, dict]:
+    """Every case of ``cases``, one after the other on the same ``world_size`` ranks: rank 0's report by name."""
+    if importlib.util.find_spec("transformers") is None:
+        cases = {name: case for name, case in cases.items() if LLAMA not in case}
+    return dict(zip(cases, run_distributed(train_each_and_report, world_size, list(cases.values()),
+                                           timeout_s=120 * len(cases))[0], strict=True))
+
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    """One process, no model parallelism: what every layout must end with."""
-    return run_distributed(train_and_report, 1, None, timeout_s=120)[0]
+def one_process() -> dict[str, dict]:
+    return trained_each(1, ONE_PROCESS)
+
+
+@pytest.fixture(scope="module")
+def reference(one_process) -> dict:
+    return one_process["fp32"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, dict]:
+    return trained_each(2, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_root(tmp_path_factory) -> str:
+    """Where the zero3 dp2 x tp2 case saves its checkpoint."""
+    return str(tmp_path_factory.mktemp("zero3-dp2-tp2"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(checkpoint_root) -> dict[str, dict]:
+    cases = {**FOUR_RANKS, "zero3-dp2-tp2": (*FOUR_RANKS["zero3-dp2-tp2"], checkpoint_root)}
+    return trained_each(4, cases)
 
 
 def assert_trains_as_one_process(got: dict, reference: dict) -> None:
@@ -55,13 +99,11 @@ def assert_trains_as_one_process(got: dict, reference: dict) -> None:
     assert got["metrics"] == pytest.approx(reference["metrics"], rel=1e-5)
 
 
-@pytest.mark.parametrize(("layout", "strategy"), [
-    pytest.param(ParallelLayout(tp=2), "ddp", id="tp2"),
-    pytest.param(ParallelLayout(dp_replicate=2, tp=2), "zero2", id="hsdp-2copies-tp2"),
-])
-def test_a_tensor_parallel_layout_trains_as_one_process(reference, layout, strategy):
-    got = run_distributed(train_and_report, layout.world_size, layout, strategy, timeout_s=240)[0]
-    assert_trains_as_one_process_reporting_once_per_tp_group(got, reference, layout)
+@pytest.mark.parametrize("case", ["tp2", "hsdp-2copies-tp2"])
+def test_a_tensor_parallel_layout_trains_as_one_process(reference, two_ranks, four_ranks, case):
+    cases = {**TWO_RANKS, **FOUR_RANKS}
+    got = {**two_ranks, **four_ranks}[case]
+    assert_trains_as_one_process_reporting_once_per_tp_group(got, reference, cases[case][0])
 
 
 def assert_trains_as_one_process_reporting_once_per_tp_group(got: dict, reference: dict,
@@ -71,34 +113,29 @@ def assert_trains_as_one_process_reporting_once_per_tp_group(got: dict, referenc
     assert_trains_as_one_process(got, reference)
 
 
-def test_a_hugging_face_llama_split_by_its_own_plan_trains_as_one_process():
+def test_a_hugging_face_llama_split_by_its_own_plan_trains_as_one_process(one_process, four_ranks):
     pytest.importorskip("transformers")
-    llama = ("tests.support.hf_workload:TinyLlama", {})
-    one = run_distributed(train_and_report, 1, None, "ddp", "fp32", None, llama, timeout_s=120)[0]
-    two = run_distributed(train_and_report, 4, ParallelLayout(dp_shard=2, tp=2), "zero2", "fp32", None, llama,
-                          timeout_s=240)[0]
+    one, two = one_process["llama"], four_ranks["llama-dp2-tp2"]
     assert any(key.endswith("self_attn.q_proj.weight") for key in one["state"])
     assert_trains_as_one_process(two, one)
 
 
-def test_bf16_under_tp2_trains_as_one_process_in_bf16():
+def test_bf16_under_tp2_trains_as_one_process_in_bf16(one_process, two_ranks):
     """bf16 rounds the split matmuls' sums differently, and Adam turns that into a step of ~lr on any entry whose
     gradient is near 0 (as fp32 against bf16 on one process does: 7% on the matrices): the losses agree closely
     and the matrices roughly, where a wrong split would be off by their whole size."""
-    one = run_distributed(train_and_report, 1, None, "ddp", "bf16", timeout_s=120)[0]
-    two = run_distributed(train_and_report, 2, ParallelLayout(tp=2), "ddp", "bf16", timeout_s=120)[0]
+    one, two = one_process["bf16"], two_ranks["bf16-tp2"]
     assert [r[0] for r in two["reported"][0]] == pytest.approx([r[0] for r in one["reported"][0]], rel=1e-3)
     for key, expected in one["state"].items():
         if key.startswith("model.") and expected.dim() == 2:
             assert (two["state"][key] - expected).norm() < 0.15 * expected.norm(), key
 
 
-def test_zero3_at_dp2_tp2_trains_as_one_process_and_its_checkpoint_loads_exactly_at_tp2_and_dp4(tmp_path,
-                                                                                                reference):
-    layout = ParallelLayout(dp_shard=2, tp=2)
-    got = run_distributed(train_and_report, 4, layout, "zero3", "fp32", str(tmp_path), timeout_s=240)[0]
-    assert_trains_as_one_process_reporting_once_per_tp_group(got, reference, layout)
-    path = complete_checkpoints(str(tmp_path))[-1].path
+def test_zero3_at_dp2_tp2_trains_as_one_process_and_its_checkpoint_loads_exactly_at_tp2_and_dp4(
+        reference, four_ranks, checkpoint_root):
+    got = four_ranks["zero3-dp2-tp2"]
+    assert_trains_as_one_process_reporting_once_per_tp_group(got, reference, FOUR_RANKS["zero3-dp2-tp2"][0])
+    path = complete_checkpoints(checkpoint_root)[-1].path
     assert_loads_exactly_at_tp2_and_dp4(path, got["state"])  # and exports it whole
 
 
@@ -184,21 +221,34 @@ def test_a_generation_trains_whole_tp_groups_and_spares_complete_one():
 # -- a Ray run --------------------------------------------------------------------------------------------
 
 
+KILL_STEPS = 8
+KILL_JOB = ("workload.name=chargpt",
+            "workload.options={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16, corpus_chars: 30000}",
+            "parallel.tp=2", "strategy.name=zero3", "scaling.min_workers=2", "scaling.max_workers=4",
+            f"training.steps={KILL_STEPS}", "training.global_batch_size=8", "training.record_samples=true",
+            "scaling.cpus_per_worker=0.25", "faults=[{action: kill, rank: 1, step: 7}]")
+
+
+@pytest.fixture(scope="module")
+def undisturbed() -> tuple[int, dict, dict]:
+    """The kill runs' job undisturbed (the same whether a lost part comes from a buddy copy or a checkpoint): the
+    training set's size, each step's samples, the parameters it ends with."""
+    config = job(*KILL_JOB)
+    num_samples = len(load_workload(config.workload.name, config.workload.options).train_dataset())
+    return num_samples, *undisturbed_run(config, num_samples)
+
+
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("buddy_copy", [True, False], ids=["buddy-copy", "checkpoint"])
-def test_a_dp2_tp2_run_that_loses_a_worker_goes_on_at_the_survivors_layout(tmp_path, buddy_copy):
+def test_a_dp2_tp2_run_that_loses_a_worker_goes_on_at_the_survivors_layout(tmp_path, buddy_copy, undisturbed):
     """dp2 x tp2 on 4 workers under zero3; one is killed at step 7. With buddy copies (the default) its part comes
     from its buddy's memory, at most one committed step redone and no checkpoint written or read; without them, from
     the step-4 checkpoint (written asynchronously by then). Either way the 3 left train as dp1 x tp2 (the third waits
     as a spare); a scale-up back to dp2 x tp2 takes the state from the members' memory; the run ends with an
     undisturbed run's parameters."""
-    steps, options = 8, "workload.options={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16, corpus_chars: 30000}"
-    overrides = ("workload.name=chargpt", options, "parallel.tp=2", "strategy.name=zero3", "scaling.min_workers=2",
-                 "scaling.max_workers=4", f"training.steps={steps}", "training.global_batch_size=8",
-                 "training.record_samples=true", f"checkpoint.every_steps={0 if buddy_copy else 4}",
-                 "scaling.cpus_per_worker=0.25", f"strategy.buddy_copy={str(buddy_copy).lower()}",
-                 "faults=[{action: kill, rank: 1, step: 7}]")
-    disturbed = job(*overrides, name="tp-kill")
+    steps = KILL_STEPS
+    disturbed = job(*KILL_JOB, f"checkpoint.every_steps={0 if buddy_copy else 4}",
+                    f"strategy.buddy_copy={str(buddy_copy).lower()}", name="tp-kill")
     result = train(disturbed, run_dir=tmp_path / "run")
     formed = [e for e in result.events if e.type == "generation_formed"]
     assert (formed[0].details["layout"], formed[0].details["state_source"], formed[0].step) == (
@@ -218,7 +268,6 @@ def test_a_dp2_tp2_run_that_loses_a_worker_goes_on_at_the_survivors_layout(tmp_p
     final_layout = {"dp2 x tp2": ParallelLayout(dp_shard=2, tp=2), "tp2": ParallelLayout(tp=2)}[
         formed[-1].details["layout"]]
     assert read_manifest(result.checkpoint).layout == dataclasses.asdict(final_layout)
-    num_samples = len(load_workload(disturbed.workload.name, disturbed.workload.options).train_dataset())
-    samples, parameters = undisturbed_run(disturbed, num_samples)
+    num_samples, samples, parameters = undisturbed
     assert applied_samples(result.ledger, steps, num_samples) == samples
     assert_states_close(load_model(tmp_path / "run"), parameters, rtol=1e-4, atol=REORDERED_SUMS_ATOL)
