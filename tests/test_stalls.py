@@ -87,47 +87,46 @@ STOPPED_MEMBER_BOUNDS = CallBounds(collective_timeout_s=60.0, step_timeout_s=3.0
 
 @contextlib.contextmanager
 def _second_member_stopped(actors: list) -> Iterator[tuple[list[Member], int]]:
-    """The actors as call_members' members, the second one's process SIGSTOPped (and its pid); at the end it is
-    continued and every actor killed."""
+    """The two actors as call_members' members, the second one's process SIGSTOPped (and its pid); at the end it is
+    continued and killed."""
     stopped = StoppedProcess(ray.get(actors[1].pid.remote()))
     try:
         yield [Member(actor=actor, slot=None, name=f"worker{rank}") for rank, actor in enumerate(actors)], stopped.pid
     finally:
         stopped.resume()
-        for actor in actors:
-            ray.kill(actor)
+        ray.kill(actors[1])
 
 
-def test_a_member_that_answers_nothing_is_killed_so_its_peer_stops_waiting_for_it(tmp_path):
+def test_a_stopped_member_is_killed_so_its_peer_stops_waiting_and_one_stopped_before_it_joins_ends_the_join(
+        tmp_path):
     """A stopped member holds its peers in a collective until its process is gone: the call kills it the moment
-    it is found hung, so the peer's wait ends then too."""
+    it is found hung, so the peer's wait ends then too. The peer then forms the next generation with a member
+    stopped before it publishes its address: the peer waits in the rendezvous store for a key that never comes
+    (killing the member does not end that wait); the call aborts the generation's rendezvous the moment it finds
+    the member hung, so the peer's join raises then, not at the collective timeout."""
     workers = workers_of(tmp_path, 4, "strategy.name=zero2", collective_timeout_s=60.0)
-    actors = workers.start(2)
-    workers.join(0, actors)
-    with _second_member_stopped(actors) as (members, pid):
-        started = time.monotonic()
-        with pytest.raises(MembersFailed) as failure:
-            call_members(members, "save_checkpoint", None, bounds=STOPPED_MEMBER_BOUNDS)
-        waited_s = time.monotonic() - started
-        assert [lost.name for lost in failure.value.lost] == ["worker1"], failure.value.lost
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        assert waited_s < 30.0, waited_s  # the peer's collective would have waited out its 60 s
-
-
-def test_a_member_stopped_before_it_joins_ends_its_peers_join_at_once(tmp_path):
-    """A member stopped before it publishes its address: its peer waits in the rendezvous store for a key that
-    never comes (killing the member does not end that wait); the call aborts the generation's rendezvous the
-    moment it finds the member hung, so the peer's join raises then, not at the collective timeout."""
-    workers = workers_of(tmp_path, 4, "strategy.name=zero2", collective_timeout_s=60.0)
-    with _second_member_stopped(workers.start(2)) as (members, _):
-        started = time.monotonic()
-        with pytest.raises(MembersFailed) as failure:
-            call_members(members, "join", [(workers.assignment(0, rank, 2),) for rank in range(2)],
-                         bounds=STOPPED_MEMBER_BOUNDS, rendezvous=JOIN_RENDEZVOUS,
-                         on_failure=workers.abort_rendezvous(0))
-        waited_s = time.monotonic() - started
-        assert [lost.name for lost in failure.value.lost] == ["worker1"], failure.value.lost
-        assert waited_s < 30.0, waited_s  # the peer's wait for the key would have lasted its 60 s
+    peer, member = workers.start(2)
+    try:
+        workers.join(0, [peer, member])
+        with _second_member_stopped([peer, member]) as (members, pid):
+            started = time.monotonic()
+            with pytest.raises(MembersFailed) as failure:
+                call_members(members, "save_checkpoint", None, bounds=STOPPED_MEMBER_BOUNDS)
+            waited_s = time.monotonic() - started
+            assert [lost.name for lost in failure.value.lost] == ["worker1"], failure.value.lost
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            assert waited_s < 30.0, waited_s  # the peer's collective would have waited out its 60 s
+        with _second_member_stopped([peer, *workers.start(1)]) as (members, _):
+            started = time.monotonic()
+            with pytest.raises(MembersFailed) as failure:
+                call_members(members, "join", [(workers.assignment(1, rank, 2),) for rank in range(2)],
+                             bounds=STOPPED_MEMBER_BOUNDS, rendezvous=JOIN_RENDEZVOUS,
+                             on_failure=workers.abort_rendezvous(1))
+            waited_s = time.monotonic() - started
+            assert [lost.name for lost in failure.value.lost] == ["worker1"], failure.value.lost
+            assert waited_s < 30.0, waited_s  # the peer's wait for the key would have lasted its 60 s
+    finally:
+        ray.kill(peer)
 
 
 def test_a_worker_stopped_amid_async_saves_is_replaced_and_its_peer_carries_on(tmp_path):
