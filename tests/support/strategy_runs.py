@@ -3,6 +3,7 @@ processes)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -155,6 +156,21 @@ def undisturbed_run(job, num_samples: int,
     return samples, run_distributed(train_job_alone, 1, job, workload_options, timeout_s=300)[0]
 
 
+def undisturbed_run_of(job) -> tuple[dict[int, list[int]], dict[str, torch.Tensor]]:
+    """``undisturbed_run`` of ``job`` on its workload's whole training set."""
+    return undisturbed_run(job, len(load_workload(job.workload.name, job.workload.options).train_dataset()))
+
+
+def undisturbed_alongside(job) -> Future:
+    """``undisturbed_run_of(job)``, computed in a thread of its own: a test starts it before its Ray run, which
+    spends most of its time waiting (on workers starting, on its pauses), and hands its result to
+    ``assert_trained_as_undisturbed``."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="undisturbed")
+    future = pool.submit(undisturbed_run_of, job)
+    pool.shutdown(wait=False)
+    return future
+
+
 TINY_GPT_OPTIONS = ("workload.options={n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, corpus_chars: 30000, "
                     "tie_embeddings: false}")
 """A chargpt small enough for a model-parallel Ray run on a 2-core machine (untied: every stage owns its layers)."""
@@ -167,11 +183,13 @@ either way (two runs that sum in different orders part there by ~1e-5 over 50 st
 agrees to ~1e-6)."""
 
 
-def assert_trained_as_undisturbed(result, config, run_dir, steps: int) -> None:
+def assert_trained_as_undisturbed(result, config, run_dir, steps: int,
+                                  undisturbed: tuple[dict[int, list[int]], dict] | None = None) -> None:
     """Every step applied once to the samples an undisturbed run of ``config`` takes, ending with its parameters
-    (the shift-invariant key biases: as small as noise makes them, on both)."""
+    (the shift-invariant key biases: as small as noise makes them, on both). ``undisturbed``: that run's
+    ``undisturbed_run_of(config)``, if computed already (while the run trained)."""
     num_samples = len(load_workload(config.workload.name, config.workload.options).train_dataset())
-    samples, parameters = undisturbed_run(config, num_samples)
+    samples, parameters = undisturbed if undisturbed is not None else undisturbed_run(config, num_samples)
     assert applied_samples(result.ledger, steps, num_samples) == samples
     got = load_model(run_dir)
     noise = {key for key in parameters if key.endswith(SHIFT_INVARIANT_SUFFIX)}
