@@ -29,9 +29,11 @@ def run(tmp_path, name, *overrides):
 @pytest.fixture(scope="module")
 def world_size_runs(ray_local, tmp_path_factory) -> dict:
     """The same job at 1, 2 and 3 workers (micro-batches of 7: a rank's part of 48 samples is cut unevenly); at 1
-    and 3 evaluated every 5 steps, at 3 with 2 DataLoader processes a rank."""
+    and 3 evaluated every 5 steps, at 3 with 2 DataLoader processes a rank; at 2 with buckets of 10 kB, at 3 with
+    the default 25 MB (the whole model in one bucket)."""
     tmp_path = tmp_path_factory.mktemp("world-sizes")
-    recipes = {1: ["eval.every_steps=5"], 2: [], 3: ["eval.every_steps=5", "data.num_workers=2"]}
+    recipes = {1: ["eval.every_steps=5"], 2: ["strategy.bucket_cap_mb=0.01"],
+               3: ["eval.every_steps=5", "data.num_workers=2"]}
     return {workers: run(tmp_path, f"ws{workers}", f"scaling.min_workers={workers}", f"scaling.max_workers={workers}",
                          "training.micro_batch_size=7", *recipe) for workers, recipe in recipes.items()}
 
@@ -57,10 +59,11 @@ def test_dataloader_workers_keep_world_size_independence_and_periodic_evaluation
         assert spread["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-4)
 
 
-def test_bucket_size_does_not_change_the_result(tmp_path, world_size_runs):
-    """Buckets of 10 kB against the default 25 MB, which holds the whole model in one bucket."""
-    _, small = run(tmp_path, "b1", "strategy.bucket_cap_mb=0.01", "training.micro_batch_size=7")
-    assert_states_close(load_model(small), load_model(world_size_runs[2][1]))
+def test_bucket_size_does_not_change_the_result(world_size_runs):
+    """Buckets of 10 kB (2 ranks) against the default 25 MB, which holds the whole model in one bucket (3 ranks)."""
+    saved = {workers: json.loads((world_size_runs[workers][1] / "result.json").read_text()) for workers in (2, 3)}
+    assert [saved[workers]["config"]["strategy"]["bucket_cap_mb"] for workers in (2, 3)] == [0.01, 25]
+    assert_states_close(load_model(world_size_runs[2][1]), load_model(world_size_runs[3][1]))
 
 
 def test_user_workload_from_outside_the_package_trains(tmp_path):
