@@ -87,7 +87,7 @@ class Lines:
 
 # -- Ctrl-C and SIGTERM to a driver ---------------------------------------------------------------------------
 
-STOP_STEPS = 150
+STOP_STEPS = 100
 
 
 class Driver:
