@@ -21,7 +21,7 @@ from raylastic.strategies.region_plan import RegionCopy, plan_region_restore
 from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import job
 from tests.support.parallel_runs import relayout_each_and_report
-from tests.support.strategy_runs import TINY_GPT_OPTIONS, assert_trained_as_undisturbed
+from tests.support.strategy_runs import TINY_GPT_OPTIONS, assert_trained_as_undisturbed, undisturbed_alongside
 
 RELAYOUTS = {  # old layout and strategy, new layout and strategy, the old ranks whose parts are lost
     "pp2-dp2-to-dp2-tp2": (ParallelLayout(pp=2, dp_replicate=2), "ddp", ParallelLayout(dp_shard=2, tp=2), "zero3",
@@ -91,6 +91,7 @@ def test_a_dp2_pp2_run_that_loses_a_worker_mid_schedule_goes_on_in_place_and_gro
                     "training.global_batch_size=8", "training.record_samples=true", "checkpoint.every_steps=0",
                     "scaling.cpus_per_worker=0.25", "faults=[{action: kill, rank: 2, step: 5, microbatch: 1}]",
                     name="dp-pp-kill")
+    undisturbed = undisturbed_alongside(disturbed)
     result = train(disturbed, run_dir=tmp_path / "run")
     formed = [e.details | {"step": e.step} for e in result.events if e.type == "generation_formed"]
     keys = ("layout", "microbatches", "state_source", "step", "steps_lost")
@@ -100,7 +101,7 @@ def test_a_dp2_pp2_run_that_loses_a_worker_mid_schedule_goes_on_in_place_and_gro
         ("pp2 x dp2 (2 copies)", 2, "peers", formed[2]["step"], 0)], formed
     assert (formed[1]["previous_layout"], formed[1]["moved_bytes"]) == ("pp2 x dp2 (2 copies)", 0)
     assert formed[2]["step"] < steps
-    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)
+    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps, undisturbed.result(timeout=600))
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -136,6 +137,7 @@ def test_three_survivors_of_a_dp2_pp2_run_of_six_blocks_re_plan_to_pp3_from_memo
                     "strategy.name=ddp", "scaling.min_workers=2", "scaling.max_workers=4", f"training.steps={steps}",
                     "training.global_batch_size=8", "training.record_samples=true", "checkpoint.every_steps=0",
                     "scaling.cpus_per_worker=0.25", "faults=[{action: kill, rank: 2, step: 4}]", name="pp3-replan")
+    undisturbed = undisturbed_alongside(disturbed)
     result = train(disturbed, run_dir=tmp_path / "run")
     formed = [e.details | {"step": e.step} for e in result.events if e.type == "generation_formed"]
     keys = ("layout", "microbatches", "state_source", "steps_lost")
@@ -146,7 +148,7 @@ def test_three_survivors_of_a_dp2_pp2_run_of_six_blocks_re_plan_to_pp3_from_memo
     assert [e.type for e in result.events].count("worker_failed") == 1, result.events  # no survivor held up
     assert formed[2]["previous_layout"] == "pp3" and formed[2]["moved_bytes"] > 0, formed
     assert not [e for e in result.events if e.type == "checkpointed" and e.step < steps]
-    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)
+    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps, undisturbed.result(timeout=600))
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -171,6 +173,7 @@ def test_a_drained_worker_of_a_pp2_tp2_run_hands_its_part_over_in_memory(tmp_pat
         if not drained and progress.state == "running" and progress.step >= 3:
             drained.extend(ray.get(ray.get_actor(controller_name(name)).drain.remote(rank=1)))
 
+    undisturbed = undisturbed_alongside(disturbed)
     result = train(disturbed, run_dir=tmp_path / "run", on_progress=drain_once)
     formed = [e.details | {"step": e.step} for e in result.events if e.type == "generation_formed"]
     keys = ("layout", "state_source", "steps_lost")
@@ -180,4 +183,4 @@ def test_a_drained_worker_of_a_pp2_tp2_run_hands_its_part_over_in_memory(tmp_pat
     assert [e.details["worker"] for e in result.events if e.type == "worker_left"] == drained
     assert set(drained) <= set(formed[1]["handed_over_by"]), formed  # with the spare's part, if a piece needs it
     assert not [e for e in result.events if e.type == "checkpointed" and e.step < steps]
-    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)
+    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps, undisturbed.result(timeout=600))
