@@ -183,8 +183,12 @@ def bare_workers(tmp_path, count: int, *overrides: str) -> BareWorkers:
     return BareWorkers(actors, RendezvousKeys.options(**beside_this_process()).remote(), new_store_prefix())
 
 
-def test_a_receiver_whose_source_is_lost_mid_hand_over_rebuilds_its_state(tmp_path):
-    workers = bare_workers(tmp_path, 2)
+def test_a_receiver_whose_source_is_lost_mid_hand_over_rebuilds_its_state_and_a_join_gives_up_on_a_hung_thread(
+        tmp_path):
+    """The receiver, alone in generation 1, hangs in its second step there (its 5th: HangingDigits counts the
+    process's steps; the source, rank 0 before, took 3); its join of generation 2 gives up on the training thread."""
+    workers = bare_workers(tmp_path, 2, "workload.name=tests.support.fault_workloads:HangingDigits",
+                           f"workload.options={{step: 5, rank: 0, marker: {marker_path(tmp_path, 'join')}}}")
     source, receiver = workers.actors
     workers.join_all()
     ray.get([source.train.remote(3), receiver.train.remote(3)])
@@ -195,6 +199,11 @@ def test_a_receiver_whose_source_is_lost_mid_hand_over_rebuilds_its_state(tmp_pa
         ray.get(receiver.sync_state.remote(0), timeout=60)
     report = ray.get(receiver.join.remote(workers.assignment(1, 0, 1)), timeout=60)
     assert report.step == 0  # not 3: the half-received state is never offered as a source
+    ray.get(receiver.train.remote(3))
+    # It gives up after the assignment's collective timeout and the grace, not forever (ray.get's bound).
+    gave_up_after = rf"TrainingThreadHung: the training thread is still running {1 + LOOP_EXIT_GRACE_S:.0f}s after"
+    with pytest.raises(ray.exceptions.RayTaskError, match=gave_up_after):
+        ray.get(receiver.join.remote(workers.assignment(2, 0, 1, timeout_s=1)), timeout=120)
     ray.kill(receiver)
 
 
@@ -207,19 +216,6 @@ def test_the_full_model_is_gathered_on_every_rank_and_returned_by_one(tmp_path):
     assert first["0.weight"].shape == Digits().build_model().state_dict()["0.weight"].shape  # gathered whole
     for actor in workers.actors:
         ray.kill(actor)
-
-
-def test_a_join_gives_up_on_a_training_thread_that_never_ends(tmp_path):
-    workers = bare_workers(tmp_path, 1, "workload.name=tests.support.fault_workloads:HangingDigits",
-                           f"workload.options={{step: 2, rank: 0, marker: {marker_path(tmp_path, 'join')}}}")
-    (worker,) = workers.actors
-    workers.join_all()
-    ray.get(worker.train.remote(3))
-    # It gives up after the assignment's collective timeout and the grace, not forever (ray.get's bound).
-    gave_up_after = rf"TrainingThreadHung: the training thread is still running {1 + LOOP_EXIT_GRACE_S:.0f}s after"
-    with pytest.raises(ray.exceptions.RayTaskError, match=gave_up_after):
-        ray.get(worker.join.remote(workers.assignment(1, 0, 1, timeout_s=1)), timeout=120)
-    ray.kill(worker)
 
 
 def test_a_failed_final_evaluation_leaves_a_loadable_checkpoint_of_the_last_step(tmp_path):
