@@ -32,13 +32,12 @@ from raylastic.cluster.job import train
 from raylastic.jobconfig.naming import NAMESPACE, controller_name, slot_name
 from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
-from tests.support.distributed_harness import run_distributed
 from tests.support.helpers import applied_samples, assert_states_close, job, load_model, wait_until_cpus_free
 from tests.support.ray_head import START_ATTEMPTS, wait_until_up
 from tests.support.strategy_runs import (
     TINY_GPT_OPTIONS,
     assert_trained_as_undisturbed,
-    train_job_alone,
+    undisturbed_alongside,
     undisturbed_run,
 )
 
@@ -214,6 +213,7 @@ def test_a_preemption_notice_on_a_node_holding_pipeline_stages_re_plans_in_place
             actions["new_node"] = head.add_node(num_cpus=2)
             actions["replaced"] = progress.step
 
+    undisturbed = undisturbed_alongside(disturbed)
     try:
         result = train(disturbed, run_dir=tmp_path / "run", on_progress=notice_then_replace_the_node)
     finally:
@@ -230,7 +230,7 @@ def test_a_preemption_notice_on_a_node_holding_pipeline_stages_re_plans_in_place
     assert [(e.details["node_id"], e.details["steps_lost"]) for e in drained] == [(second_node.node_id, 0)]
     assert set(formed[1]["handed_over_by"]) <= set(drained[0].details["workers"]), formed  # their parts, if needed
     assert not [e for e in result.events if e.type in ("worker_failed", "checkpointed") and e.step < steps]
-    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps)
+    assert_trained_as_undisturbed(result, disturbed, tmp_path / "run", steps, undisturbed.result(timeout=600))
 
 
 @pytest.fixture
@@ -311,11 +311,12 @@ def test_hierarchical_all_reduce_on_two_nodes_trains_as_one_process(tmp_path, he
             placement.update(workers_per_node("hier"))
 
     config = job(*HIERARCHICAL, name="hier")
+    one_process = undisturbed_alongside(config)
     result = train(config, run_dir=tmp_path, on_progress=record_placement)
     node_ids = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
     assert sorted(placement.values()) == [2, 2] and set(placement) == node_ids, placement
     assert result.final_step == 30 and {row["world_size"] for row in result.history} == {4}
-    assert_states_close(load_model(tmp_path), run_distributed(train_job_alone, 1, config, timeout_s=300)[0])
+    assert_states_close(load_model(tmp_path), one_process.result(timeout=600)[1])
     # bytes_sent is a step's traffic summed over ranks, uncompressed_bytes a flat all-reduce's (every rank
     # sends its whole gradient): here only the two node leaders take part in the inter-node all-reduce.
     final = result.history[-1]
