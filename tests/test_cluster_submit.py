@@ -131,7 +131,7 @@ def test_ray_job_submit_to_a_head_without_raylastic_trains_to_success_with_metri
     bare = start_head(bin_dir=bin_dir, without=("PYTHONPATH",))
     try:
         where = "python -c 'import raylastic; print(\"raylastic from\", raylastic.__file__)'"
-        job = shlex.join(["python", "-m", "raylastic", "train", "--set", "name=bare", *SHORT_JOB])
+        job = shlex.join(["python", "-m", "raylastic", "train", "--set", "name=bare", *SHORT_JOB, *ONE_WORKER])
         job_id = f"raylastic-ok-{uuid.uuid4().hex[:8]}"
         submitted = _run([str(bin_dir / "ray"), "job", "submit", "--address", bare.dashboard_url, "--working-dir", ".",
                           "--submission-id", job_id, "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--",
