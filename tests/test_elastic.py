@@ -114,7 +114,8 @@ def test_failures_beyond_max_end_the_run_with_a_loadable_checkpoint(tmp_path):
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference, strategy):
     # 4 logical CPUs: the blocker leaves room for exactly 2 workers of 0.5 CPU until it ends, at the run's first
-    # step. Steps of 0.4 s leave the third worker ~15 s to start (3.5 s on an idle machine, 10+ s on a slow one).
+    # step. Steps of 2 s until the third worker has joined leave it a minute to start (3.5 s on an idle machine, 10+ s
+    # on a slow one, more beside a second test suite); 0.4 s after it, for the drain to come before the end.
     blocker = ray.remote(num_cpus=3)(_Blocker).options(runtime_env=TRAINS_NOTHING).remote()
     ray.get(blocker.ready.remote())
     actions = {}
@@ -127,8 +128,8 @@ def test_scale_up_when_resources_appear_then_drain_back_down(tmp_path, reference
             controller = ray.get_actor(controller_name("scale"))
             actions["drained"] = ray.get(controller.drain.remote(rank=1))
 
-    result, state = run_disturbed(tmp_path, "scale", "workload.name=tests.support.user_workload:SlowDigits",
-                                  "workload.options={pause_s: 0.4}", f"strategy.name={strategy}", on_progress=act)
+    result, state = run_disturbed(tmp_path, "scale", "workload.name=tests.support.user_workload:SlowUntilGrown",
+                                  f"strategy.name={strategy}", on_progress=act)
     _, reference_state = reference
     assert_states_close(state, reference_state)
     assert_applied_as_reference(result, reference)

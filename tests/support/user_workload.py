@@ -63,6 +63,21 @@ class SlowDigits:
         return self.digits.evaluate(model)
 
 
+class SlowUntilGrown(SlowDigits):
+    """SlowDigits that pauses ``growing_pause_s`` instead until its process has trained in a group of ``full``
+    ranks: a run waiting for a worker to join gives it as many of those longer steps as it has left, however
+    slowly the machine starts the worker, and runs at ``pause_s`` once it has grown."""
+
+    def __init__(self, full: int = 3, pause_s: float = 0.4, growing_pause_s: float = 2.0) -> None:
+        super().__init__(pause_s)
+        self.full, self.growing_pause_s, self.grown = full, growing_pause_s, False
+
+    def training_step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.grown = self.grown or (dist.is_initialized() and dist.get_world_size() >= self.full)
+        time.sleep(self.pause_s if self.grown else self.growing_pause_s)
+        return self.digits.training_step(model, batch)
+
+
 class DropoutDigits:
     """The digits MLP with dropout after each hidden layer: randomness in forward."""
 
