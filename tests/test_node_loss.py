@@ -33,7 +33,7 @@ from raylastic.jobconfig.naming import NAMESPACE, controller_name, slot_name
 from raylastic.workloads.digits import Digits
 from tests.conftest import REPO_ROOT
 from tests.support.helpers import applied_samples, assert_states_close, job, load_model, wait_until_cpus_free
-from tests.support.ray_head import START_ATTEMPTS, wait_until_up
+from tests.support.ray_head import START_ATTEMPTS, START_TIMEOUT_S, wait_until_up
 from tests.support.strategy_runs import (
     TINY_GPT_OPTIONS,
     assert_trained_as_undisturbed,
@@ -248,7 +248,8 @@ def block_node(head, tmp_path):
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         started = psutil.Process(process.pid)
         try:
-            if wait_until_up(process, lambda: {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before, 60):
+            if wait_until_up(process, lambda: {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before,
+                             START_TIMEOUT_S):
                 break
         except RuntimeError:
             process.kill()

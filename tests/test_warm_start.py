@@ -48,7 +48,7 @@ assert {"torch._dynamo", "raylastic.actors.worker.train_worker"} <= set(sys.modu
 assert calls == [], calls
 assert gc.isenabled() and gc.get_freeze_count() > len(sys.modules) * 100, gc.get_freeze_count()
 """
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
 
 
@@ -79,7 +79,7 @@ except AttributeError:
     pass
 assert set(seen) == {(name, 0) for name in ours} and seen[-1][0] == "raylastic.actors.worker.train_worker", seen
 """
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
 
 
@@ -104,7 +104,7 @@ for task in Path("/proc/self/task").iterdir():
 controller(Path({str(tmp_path)!r}))
 assert (after_store, niceness()) == ({{0}}, {{0}}), (after_store, niceness())
 """
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
 

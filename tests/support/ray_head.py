@@ -37,6 +37,10 @@ START_ATTEMPTS = 3
 and ``ray start`` exited 1. A node whose start ends so is started again."""
 PRESTART_OFF = {"RAY_prestart_worker_first_driver": "0"}
 """No idle Python workers started ahead of a first driver: fewer processes on a small, shared machine."""
+START_TIMEOUT_S = 300.0
+"""How long a node's start may take: beside a second test suite a head's dashboard took over Ray's 60 s."""
+SLOW_DASHBOARD_OK = {"RAY_DASHBOARD_STARTUP_TIMEOUT_S": str(int(START_TIMEOUT_S))}
+"""Ray waits 60 s for its dashboard to start, then gives up, and the head never comes up."""
 
 
 def free_ports(count: int) -> list[int]:
@@ -84,7 +88,7 @@ class RayHead:
         return self.log_path.read_text(errors="replace")
 
 
-def start_head(num_cpus: int = 2, *, extra_env: dict[str, str] | None = None, timeout_s: float = 90.0,
+def start_head(num_cpus: int = 2, *, extra_env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S,
                bin_dir: Path = VENV_BIN, without: tuple[str, ...] = ()) -> RayHead:
     """``ray start --head --block`` on free ports, 127.0.0.1 dashboard, with the ``python`` and ``ray`` of ``bin_dir``
     (first on its PATH: the jobs run that python) and none of the environment variables ``without``; returns once
@@ -92,7 +96,7 @@ def start_head(num_cpus: int = 2, *, extra_env: dict[str, str] | None = None, ti
     auth_token()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", *without)}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # as with the venv activated: jobs run its python
-    env.update(PRESTART_OFF, **(extra_env or {}))
+    env.update(PRESTART_OFF, **SLOW_DASHBOARD_OK, **(extra_env or {}))
     for _ in range(START_ATTEMPTS):
         gcs, dashboard, metrics, client, agent = free_ports(5)
         temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths have a length limit
